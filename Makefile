@@ -1,0 +1,26 @@
+# The two commands a new user needs: `make train` and `make test`. Each sets itself up.
+PY := .venv/bin/python
+TRAIN_ARGS ?=
+
+.PHONY: setup train test lint bench-store clean
+
+setup:
+	@bash scripts/setup.sh
+
+train: setup
+	$(PY) scripts/bench_store.py $(TRAIN_ARGS)
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+bench-store: setup
+	$(PY) scripts/bench_store.py
+
+clean:
+	rm -rf .venv runs

@@ -1,0 +1,1 @@
+"""Criteo readers, a synthetic click stream with a known ceiling, resumable batches."""

@@ -1,0 +1,270 @@
+"""Start, fail and stop local ``redis-server`` shards.
+
+Each shard is a real ``redis-server`` on a free loopback port, with Redis's own persistence off
+(the recovery layer owns durability). Cleanup is layered so that no server outlives its owner:
+the context manager stops every shard (SIGCONT, SIGTERM, then SIGKILL after a grace period),
+an ``atexit`` hook does the same on interpreter exit, and each server is started with
+``PR_SET_PDEATHSIG=SIGKILL`` so the kernel kills it if this process dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+_PR_SET_PDEATHSIG = 1
+_LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+def find_redis_server(explicit: str | None = None) -> str:
+    path = explicit or shutil.which("redis-server")
+    if not path or not os.access(path, os.X_OK):
+        raise LauncherError(
+            f"redis-server not found ({'--redis-server ' + explicit if explicit else 'PATH'}); "
+            "install Redis 7 (Debian/Ubuntu: apt-get install -y redis-server) or run `make setup`"
+        )
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class _Shard:
+    index: int
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+    stalled: bool = False
+
+
+class LocalShards:
+    """``num_shards`` local Redis servers. Use as a context manager.
+
+    >>> with LocalShards(3) as shards:
+    ...     store = RedisStore(shards.urls, ...)
+    ...     shards.kill(1)        # SIGKILL shard 1
+    ...     shards.restart(1)     # a fresh, empty server on the same port
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        *,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        redis_server: str | None = None,
+        startup_timeout_s: float = 10.0,
+        maxmemory: str | None = None,
+    ) -> None:
+        if num_shards <= 0:
+            raise ValueError(f"num_shards={num_shards} must be > 0")
+        self.num_shards = num_shards
+        self.host = host
+        self.password = password
+        self.binary = find_redis_server(redis_server)
+        self.startup_timeout_s = startup_timeout_s
+        self.maxmemory = maxmemory
+        self._root: Path | None = None
+        self._shards: list[_Shard] = []
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> LocalShards:
+        if self._shards:
+            return self
+        self._root = Path(tempfile.mkdtemp(prefix="recsys-shards-"))
+        _LIVE.add(self)
+        try:
+            for i in range(self.num_shards):
+                workdir = self._root / f"shard{i}"
+                workdir.mkdir()
+                shard = _Shard(index=i, port=0, workdir=workdir)
+                self._shards.append(shard)
+                self._spawn(shard, new_port=True)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for shard in self._shards:
+            self._terminate(shard)
+        self._shards = []
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> LocalShards:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- addresses ----------------------------------------------------------------------
+    def url(self, i: int) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self._shards[i].port}/0"
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url(i) for i in range(len(self._shards))]
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self._shards]
+
+    def pid(self, i: int) -> int | None:
+        proc = self._shards[i].proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p for p in (self.pid(i) for i in range(len(self._shards))) if p is not None]
+
+    def is_alive(self, i: int) -> bool:
+        return self.pid(i) is not None
+
+    # -- failures -----------------------------------------------------------------------
+    def kill(self, i: int) -> None:
+        """SIGKILL shard ``i``: its rows are gone."""
+        shard = self._shards[i]
+        if shard.proc is not None and shard.proc.poll() is None:
+            shard.proc.kill()
+            shard.proc.wait(timeout=10)
+        shard.stalled = False
+
+    def stall(self, i: int) -> None:
+        """SIGSTOP shard ``i``: it keeps its connections but answers nothing."""
+        shard = self._shards[i]
+        if shard.proc is None or shard.proc.poll() is not None:
+            raise LauncherError(f"shard {i} (port {shard.port}) is not running; cannot stall it")
+        shard.proc.send_signal(signal.SIGSTOP)
+        shard.stalled = True
+
+    def resume(self, i: int) -> None:
+        """SIGCONT a stalled shard."""
+        shard = self._shards[i]
+        if shard.proc is not None and shard.proc.poll() is None:
+            shard.proc.send_signal(signal.SIGCONT)
+        shard.stalled = False
+
+    def restart(self, i: int) -> None:
+        """Replace shard ``i`` with a fresh, empty server on the same port."""
+        shard = self._shards[i]
+        self._terminate(shard)
+        self._spawn(shard, new_port=False)
+
+    # -- internals ----------------------------------------------------------------------
+    def _config(self, shard: _Shard) -> Path:
+        lines = [
+            f"port {shard.port}",
+            f"bind {self.host}",
+            "protected-mode yes",
+            'save ""',
+            "appendonly no",
+            f"dir {shard.workdir}",
+            "daemonize no",
+            f"logfile {shard.workdir / 'redis.log'}",
+            "lua-time-limit 60000",
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        if self.maxmemory:
+            lines.append(f"maxmemory {self.maxmemory}")
+        path = shard.workdir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the password
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def _spawn(self, shard: _Shard, new_port: bool) -> None:
+        attempts = 5 if new_port else 1
+        last = ""
+        for _ in range(attempts):
+            if new_port:
+                shard.port = free_port(self.host)
+            conf = self._config(shard)
+            shard.proc = subprocess.Popen(
+                [self.binary, str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+            ok, last = self._wait_ready(shard)
+            if ok:
+                shard.stalled = False
+                return
+            self._terminate(shard)
+        raise LauncherError(f"shard {shard.index} on {self.host}:{shard.port} did not start: {last}")
+
+    def _wait_ready(self, shard: _Shard) -> tuple[bool, str]:
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = redis.Redis(
+            host=self.host, port=shard.port, password=self.password, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+        try:
+            while time.monotonic() < deadline:
+                if shard.proc is not None and shard.proc.poll() is not None:
+                    return False, f"exited with {shard.proc.returncode}: {self._log_tail(shard)}"
+                try:
+                    if client.ping():
+                        return True, ""
+                except redis.RedisError:
+                    time.sleep(0.02)
+            return False, f"no PING answer within {self.startup_timeout_s}s"
+        finally:
+            client.close()
+
+    def _log_tail(self, shard: _Shard) -> str:
+        try:
+            return (shard.workdir / "redis.log").read_text().strip().splitlines()[-1]
+        except (OSError, IndexError):
+            return "(no log)"
+
+    @staticmethod
+    def _terminate(shard: _Shard) -> None:
+        proc = shard.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        shard.proc = None
+        shard.stalled = False
+
+
+@atexit.register
+def _stop_all() -> None:
+    for shards in list(_LIVE):
+        shards.stop()

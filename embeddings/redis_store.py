@@ -1,0 +1,225 @@
+"""The Redis-backed store: rows sharded over several ``redis-server`` processes.
+
+Layout: one Redis string per row, key ``{namespace}:{table_index}:`` followed by the row id as
+8 bytes big-endian, value the row's ``[dim + state_width]`` little-endian float32 bytes (fixed
+width per table). Bulk reads and writes go through ``embeddings.wire`` (numpy-encoded pipelined
+MGET/MSET); shards are served in parallel from a thread pool (socket I/O releases the GIL).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from embeddings.errors import (
+    ShardDataError,
+    ShardTimeoutError,
+    ShardUnavailableError,
+    StoreAuthError,
+)
+from embeddings.optim import RowOptimizer
+from embeddings.shard_map import ShardMap
+from embeddings.store import IdsByTable, StoreBase
+from embeddings.tables import TableSet
+from embeddings.wire import RowConnection, WireError
+
+T = TypeVar("T")
+
+
+def redact(url: str) -> str:
+    """``scheme://[user@]host:port/db`` with any password removed, for messages and logs."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username and parts.username != "default" else ""
+    path = parts.path if parts.path not in ("", "/") else ""
+    return f"{parts.scheme}://{user}{parts.hostname}:{parts.port or 6379}{path}"
+
+
+class RedisStore(StoreBase):
+    """Rows of every table, sharded over Redis endpoints by a ``ShardMap``.
+
+    ``urls`` are ``redis://`` or ``rediss://`` (TLS) URLs, optionally with ``user:password@``.
+    Every call is bounded by ``timeout_s``; a shard that is dead or does not answer in time raises
+    ``ShardUnavailableError`` (or its subclass ``ShardTimeoutError``) naming shard and endpoint.
+    ``connection_kwargs`` pass through to ``redis.Redis`` (e.g. ``ssl_ca_certs``).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tables: TableSet,
+        optimizer: RowOptimizer,
+        *,
+        namespace: str = "recsys",
+        seed: int = 0,
+        placement: str = "row",
+        timeout_s: float = 5.0,
+        connection_kwargs: dict | None = None,
+    ) -> None:
+        super().__init__(tables, optimizer, seed)
+        if not urls:
+            raise ValueError("RedisStore needs at least one shard URL")
+        if not namespace or any(c in namespace for c in ": \t\n"):
+            raise ValueError(f"namespace {namespace!r} must be non-empty without ':' or spaces")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        for u in urls:
+            if urlsplit(u).scheme not in ("redis", "rediss"):
+                raise ValueError(f"shard URL {redact(u)!r} must start with redis:// or rediss://")
+        self.urls = list(urls)
+        self.endpoints = [redact(u) for u in urls]
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.shard_map = ShardMap(tables, len(urls), placement)  # type: ignore[arg-type]
+        kwargs = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # bounded: the recovery layer owns retries
+            health_check_interval=0,
+            protocol=2,  # embeddings.wire speaks RESP2 (nil is $-1)
+        )
+        kwargs.update(connection_kwargs or {})
+        self._pools = [redis.ConnectionPool.from_url(u, **kwargs) for u in urls]
+        for p in self._pools:  # a ?protocol=3 in a URL must not change the wire format
+            p.connection_kwargs["protocol"] = 2
+        self._clients = [redis.Redis(connection_pool=p) for p in self._pools]
+        self._wires = [RowConnection(p, timeout_s) for p in self._pools]
+        self._locks = [threading.Lock() for _ in urls]  # one bulk call per shard socket at a time
+        self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._clients)
+
+    def prefix(self, table_index: int) -> bytes:
+        return f"{self.namespace}:{table_index}:".encode()
+
+    def key(self, table_index: int, row: int) -> bytes:
+        """The Redis key of one row."""
+        return self.prefix(table_index) + int(row).to_bytes(8, "big")
+
+    # -- error mapping -------------------------------------------------------------------
+    def _call(self, shard: int, fn: Callable[[], T]) -> T:
+        endpoint = self.endpoints[shard]
+        try:
+            return fn()
+        except redis.AuthenticationError as e:
+            raise StoreAuthError(shard, endpoint, str(e)) from None
+        except redis.TimeoutError as e:
+            raise ShardTimeoutError(shard, endpoint, f"no answer within {self.timeout_s}s ({e})") from None
+        except redis.ConnectionError as e:
+            raise ShardUnavailableError(shard, endpoint, str(e) or type(e).__name__) from None
+        except (redis.ResponseError, WireError) as e:
+            msg = str(e)
+            if "WRONGPASS" in msg or "NOAUTH" in msg or "NOPERM" in msg:
+                raise StoreAuthError(shard, endpoint, msg) from None
+            raise ShardDataError(f"shard {shard} at {endpoint}: {msg}") from None
+
+    def _on_shards(self, work: dict[int, Callable[[], T]]) -> dict[int, T]:
+        futures = {s: self._pool.submit(self._call, s, fn) for s, fn in work.items()}
+        # collect every result before raising so no call outlives this one
+        results, first_error = {}, None
+        for s, f in futures.items():
+            try:
+                results[s] = f.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def ping(self) -> list[bool]:
+        """Per shard: True when it answers PING within the timeout."""
+        out = []
+        for s, c in enumerate(self._clients):
+            try:
+                out.append(bool(self._call(s, c.ping)))
+            except ShardUnavailableError:
+                out.append(False)
+        return out
+
+    # -- StoreBase hooks -----------------------------------------------------------------
+    def _fetch(self, requests: IdsByTable):
+        # shard -> list of (table, positions into the request's ids)
+        plan: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for t, ids in requests.items():
+            for s, pos in enumerate(self.shard_map.split(t, ids)):
+                if len(pos):
+                    plan.setdefault(s, []).append((t, pos))
+
+        def pull_from(s: int, groups: list[tuple[int, np.ndarray]]):
+            args = [(self.prefix(t), requests[t][pos], 4 * self.width(t)) for t, pos in groups]
+
+            def run():
+                with self._locks[s]:
+                    return self._wires[s].get_rows(args)
+
+            return run
+
+        replies = self._on_shards({s: pull_from(s, g) for s, g in plan.items()})
+        out = {}
+        for t, ids in requests.items():
+            out[t] = (np.empty((len(ids), self.width(t)), np.float32), np.zeros(len(ids), bool))
+        for s, groups in plan.items():
+            for (t, pos), (rows, missing) in zip(groups, replies[s]):
+                out[t][0][pos] = rows.view("<f4").reshape(len(pos), self.width(t))
+                out[t][1][pos] = missing
+        return out
+
+    def _store(self, requests):
+        plan: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for t, (ids, _) in requests.items():
+            for s, pos in enumerate(self.shard_map.split(t, ids)):
+                if len(pos):
+                    plan.setdefault(s, []).append((t, pos))
+
+        def push_to(s: int, groups):
+            args = [(self.prefix(t), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
+
+            def run():
+                with self._locks[s]:
+                    return self._wires[s].set_rows(args)
+
+            return run
+
+        self._on_shards({s: push_to(s, g) for s, g in plan.items()})
+
+    # -- maintenance ---------------------------------------------------------------------
+    def clear(self) -> int:
+        """Delete every key of this namespace on every shard; returns how many."""
+
+        def clear_shard(c: redis.Redis) -> Callable[[], int]:
+            def run() -> int:
+                n = 0
+                for batch in _chunks(c.scan_iter(match=f"{self.namespace}:*", count=10_000), 10_000):
+                    n += c.unlink(*batch)
+                return n
+
+            return run
+
+        return sum(self._on_shards({s: clear_shard(c) for s, c in enumerate(self._clients)}).values())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for w in self._wires:
+            w.close()
+        for p in self._pools:
+            p.disconnect()
+
+
+def _chunks(it, n):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,89 @@
+"""Row -> shard placement. Pure functions, no I/O.
+
+Two placements:
+
+- ``table``: whole tables go to shards. Tables are placed greedily, largest first, on the shard
+  holding the fewest bytes so far (ties to the lowest shard index), so the map is deterministic.
+- ``row``: every row is hashed independently, ``shard = mix64(table_index, row) % num_shards``;
+  a table's hot rows spread over all shards, which is what makes a single shard's failure cost
+  only a fraction of every table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from embeddings.tables import TableSet
+
+Placement = Literal["table", "row"]
+PLACEMENTS: tuple[str, ...] = ("table", "row")
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M2
+        x = x ^ (x >> np.uint64(31))
+    return x
+
+
+def row_hash(table_index: int, ids: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of (table, row) per id; [n] uint64."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        seed = mix64(np.array([table_index + 1], dtype=np.uint64) * _GOLDEN)
+        return mix64(ids ^ seed)
+
+
+def place_tables(sizes: list[int], num_shards: int) -> list[int]:
+    """Greedy largest-first placement of tables with the given byte sizes; returns shard per table."""
+    load = [0] * num_shards
+    owner = [0] * len(sizes)
+    for t in sorted(range(len(sizes)), key=lambda t: (-sizes[t], t)):
+        s = min(range(num_shards), key=lambda s: (load[s], s))
+        owner[t] = s
+        load[s] += sizes[t]
+    return owner
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    tables: TableSet
+    num_shards: int
+    placement: Placement = "row"
+
+    def __post_init__(self) -> None:
+        if self.num_shards <= 0:
+            raise ValueError(f"num_shards={self.num_shards} must be > 0")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} must be one of {PLACEMENTS}")
+        sizes = [t.num_rows * t.dim for t in self.tables]
+        object.__setattr__(self, "_table_owner", place_tables(sizes, self.num_shards))
+
+    def shard_of(self, table_index: int, ids: np.ndarray) -> np.ndarray:
+        """Shard index per row id; [n] int64."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.placement == "table":
+            return np.full(ids.shape, self._table_owner[table_index], dtype=np.int64)
+        return (row_hash(table_index, ids) % np.uint64(self.num_shards)).astype(np.int64)
+
+    def split(self, table_index: int, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions into ``ids`` per shard: ``out[s]`` indexes the ids that live on shard s."""
+        owner = self.shard_of(table_index, ids)
+        if self.placement == "table":
+            s = self._table_owner[table_index]
+            return [np.arange(len(ids)) if i == s else np.empty(0, np.int64) for i in range(self.num_shards)]
+        order = np.argsort(owner, kind="stable")
+        counts = np.bincount(owner, minlength=self.num_shards)
+        return np.split(order, np.cumsum(counts)[:-1])

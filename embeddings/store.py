@@ -1,0 +1,184 @@
+"""The store Protocol and the in-process reference store.
+
+Every store holds rows of ``[dim + optimizer.state_width]`` float32 per table. Reads of rows
+that were never written return the deterministic lazy init (``embeddings.rowinit``). Updates
+are applied by the store (single writer per shard): read current rows with their optimizer
+state, apply the optimizer, write back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from embeddings.errors import DimMismatchError, RowRangeError
+from embeddings.optim import RowOptimizer
+from embeddings.rowinit import init_rows
+from embeddings.tables import TableSet
+
+# table index -> [n] int64 ids
+IdsByTable = dict[int, np.ndarray]
+
+
+class EmbeddingStore(Protocol):
+    tables: TableSet
+    optimizer: RowOptimizer
+
+    def pull(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """[n, dim] float32 weights of ``ids``."""
+        ...
+
+    def pull_many(self, requests: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def update(self, table: str, ids: np.ndarray, grads: np.ndarray | torch.Tensor) -> None:
+        """Apply the optimizer to ``ids`` with ``grads`` [n, dim]; duplicate ids are summed."""
+        ...
+
+    def update_many(self, requests: Mapping[str, tuple[np.ndarray, np.ndarray | torch.Tensor]]) -> None: ...
+
+    def read_rows(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """[n, dim + state_width] float32: weights and optimizer state."""
+        ...
+
+    def write_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Overwrite ``ids`` with ``rows`` [n, dim + state_width] (restore, tests)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StoreBase:
+    """Validation, lazy init and the optimizer step, shared by every store.
+
+    Subclasses implement ``_fetch`` (rows plus a mask of never-written rows) and ``_store``.
+    """
+
+    def __init__(self, tables: TableSet, optimizer: RowOptimizer, seed: int = 0) -> None:
+        self.tables = tables
+        self.optimizer = optimizer
+        self.seed = seed
+
+    # -- subclass hooks -------------------------------------------------------------------
+    def _fetch(self, requests: IdsByTable) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """-> table index: ([n, width] float32 rows, [n] bool missing). Missing rows may hold anything."""
+        raise NotImplementedError
+
+    def _store(self, requests: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """table index: (ids, [n, width] float32 rows) -> written."""
+        raise NotImplementedError
+
+    # -- helpers ---------------------------------------------------------------------------
+    def width(self, table_index: int) -> int:
+        return self.tables.specs[table_index].dim + self.optimizer.state_width
+
+    def _ids(self, table: str, ids) -> tuple[int, np.ndarray]:
+        t = self.tables.index(table)
+        arr = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
+        if arr.ndim != 1:
+            raise RowRangeError(f"table {table!r}: ids must be 1-d, got shape {tuple(arr.shape)}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise RowRangeError(f"table {table!r}: ids must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+        num_rows = self.tables.specs[t].num_rows
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= num_rows:
+                bad = lo if lo < 0 else hi
+                raise RowRangeError(f"table {table!r}: row id {bad} out of range [0, {num_rows})")
+        return t, arr
+
+    def _block(self, table: str, t: int, n: int, block, width: int, what: str) -> np.ndarray:
+        arr = block.detach().cpu().numpy() if isinstance(block, torch.Tensor) else np.asarray(block)
+        if arr.ndim != 2 or arr.shape[1] != width:
+            raise DimMismatchError(f"table {table!r}: {what} have shape {tuple(arr.shape)}, expected [n, {width}]")
+        if arr.shape[0] != n:
+            raise DimMismatchError(f"table {table!r}: {arr.shape[0]} {what} for {n} ids")
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def _fetch_filled(self, requests: IdsByTable) -> dict[int, np.ndarray]:
+        out = {}
+        for t, (rows, missing) in self._fetch(requests).items():
+            if missing.any():
+                spec = self.tables.specs[t]
+                rows[missing, : spec.dim] = init_rows(self.seed, t, requests[t][missing], spec.dim, spec.scale)
+                rows[missing, spec.dim :] = 0.0
+            out[t] = rows
+        return out
+
+    # -- public API ------------------------------------------------------------------------
+    def read_rows(self, table: str, ids) -> np.ndarray:
+        t, arr = self._ids(table, ids)
+        return self._fetch_filled({t: arr})[t]
+
+    def pull(self, table: str, ids) -> np.ndarray:
+        return self.pull_many({table: ids})[table]
+
+    def pull_many(self, requests) -> dict[str, np.ndarray]:
+        checked = dict(self._ids(name, ids) for name, ids in requests.items())
+        rows = self._fetch_filled(checked)
+        return {name: rows[self.tables.index(name)][:, : self.tables.spec(name).dim] for name in requests}
+
+    def update(self, table: str, ids, grads) -> None:
+        self.update_many({table: (ids, grads)})
+
+    def update_many(self, requests) -> None:
+        uniq: IdsByTable = {}
+        summed: dict[int, torch.Tensor] = {}
+        for name, (ids, grads) in requests.items():
+            t, arr = self._ids(name, ids)
+            g = self._block(name, t, len(arr), grads, self.tables.specs[t].dim, "gradients")
+            u, inverse = np.unique(arr, return_inverse=True)
+            if len(u) != len(arr):
+                acc = torch.zeros((len(u), g.shape[1]), dtype=torch.float32)
+                acc.index_add_(0, torch.from_numpy(inverse.reshape(-1)), torch.from_numpy(g))
+            else:  # already unique; keep the caller's order to avoid a gather
+                u, acc = arr, torch.from_numpy(g)
+            uniq[t], summed[t] = u, acc
+        current = self._fetch_filled(uniq)
+        new = {t: (uniq[t], self.optimizer.apply(torch.from_numpy(current[t]), summed[t]).numpy()) for t in uniq}
+        self._store(new)
+
+    def write_rows(self, table: str, ids, rows) -> None:
+        t, arr = self._ids(table, ids)
+        block = self._block(table, t, len(arr), rows, self.width(t), "rows")
+        self._store({t: (arr, block)})
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class InProcessStore(StoreBase):
+    """The plain reference: a dict of rows per table, in this process."""
+
+    def __init__(self, tables: TableSet, optimizer: RowOptimizer, seed: int = 0) -> None:
+        super().__init__(tables, optimizer, seed)
+        self._rows: list[dict[int, np.ndarray]] = [{} for _ in tables]
+
+    def _fetch(self, requests):
+        out = {}
+        for t, ids in requests.items():
+            rows = np.zeros((len(ids), self.width(t)), dtype=np.float32)
+            missing = np.ones(len(ids), dtype=bool)
+            held = self._rows[t]
+            for i, r in enumerate(ids.tolist()):
+                v = held.get(r)
+                if v is not None:
+                    rows[i] = v
+                    missing[i] = False
+            out[t] = (rows, missing)
+        return out
+
+    def _store(self, requests):
+        for t, (ids, rows) in requests.items():
+            held = self._rows[t]
+            for r, v in zip(ids.tolist(), rows):
+                held[r] = v.copy()

@@ -1,0 +1,1 @@
+"""Checkpoints, persistent update logs, failure injection and partial recovery of shards."""

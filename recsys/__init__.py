@@ -1,0 +1,1 @@
+"""DLRM training over the disaggregated embedding tier: model, trainer, config, CLI."""

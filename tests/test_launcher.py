@@ -1,0 +1,73 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import redis
+
+from embeddings.launcher import LauncherError, LocalShards
+from tests.conftest import _pid_alive, track
+
+
+def test_start_stop_and_failures_act_on_real_processes():
+    with LocalShards(2) as sh:
+        track(sh)
+        pids = sh.pids
+        assert len(pids) == 2 and all(_pid_alive(p) for p in pids)
+        c = redis.Redis.from_url(sh.url(1), socket_timeout=0.3)
+        c.set("k", "v")
+        # bound to loopback only
+        assert c.config_get("bind")["bind"] == "127.0.0.1"
+        assert c.config_get("save")["save"] == ""
+        sh.stall(1)
+        with open(f"/proc/{pids[1]}/stat") as f:
+            assert f.read().split()[2] == "T"  # stopped
+        with pytest.raises(redis.TimeoutError):
+            c.get("k")
+        sh.resume(1)
+        c = redis.Redis.from_url(sh.url(1), socket_timeout=2)
+        assert c.get("k") == b"v"
+        port = sh.ports[1]
+        sh.kill(1)
+        assert not _pid_alive(pids[1]) and not sh.is_alive(1)
+        sh.restart(1)
+        track(sh)
+        assert sh.ports[1] == port and sh.is_alive(1)
+        assert c.get("k") is None  # a restarted shard starts empty
+        sh.stall(0)  # a stalled shard must still be stopped on exit
+    assert not any(_pid_alive(p) for p in pids + sh.pids)
+
+
+def test_shards_die_with_a_killed_owner_process(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from embeddings.launcher import LocalShards
+        sh = LocalShards(2).start()
+        print(" ".join(map(str, sh.pids)), flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_pid_alive(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)  # no atexit, no finally: only PDEATHSIG can clean up
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_pid_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_missing_binary_is_a_clear_error():
+    with pytest.raises(LauncherError, match="redis-server not found.*/nonexistent/redis-server"):
+        LocalShards(1, redis_server="/nonexistent/redis-server")
+    with pytest.raises(ValueError, match="num_shards=0"):
+        LocalShards(0)

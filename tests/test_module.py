@@ -1,0 +1,111 @@
+import numpy as np
+import pytest
+import torch
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from embeddings import SGD, RedisStore, RowWiseAdagrad, TableSet, UnknownTableError
+from embeddings.module import StoreEmbeddingBagCollection
+
+CONFIGS = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=37, feature_names=["f1", "f2"]),
+]
+BATCH = 16
+
+
+def make_kjt(rng: np.random.Generator) -> KeyedJaggedTensor:
+    keys, lengths, values = [], [], []
+    for c in CONFIGS:
+        for f in c.feature_names:
+            ln = rng.integers(0, 4, BATCH)
+            keys.append(f)
+            lengths.append(ln)
+            # zipf-ish skew so rows repeat within and across bags
+            values.append(np.minimum(rng.zipf(1.3, ln.sum()) - 1, c.num_embeddings - 1))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.from_numpy(np.concatenate(values)).long(),
+        lengths=torch.from_numpy(np.concatenate(lengths)).int(),
+    )
+
+
+def loss_of(kt, proj):
+    return ((kt.values() @ proj) ** 2).mean()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_matches_torchrec_ebc_for_20_steps(shards3, namespace, kind):
+    lr = 0.5 if kind == "sgd" else 0.05
+    opt = SGD(lr=lr) if kind == "sgd" else RowWiseAdagrad(lr=lr)
+    store = RedisStore(shards3.urls, TableSet.from_torchrec(CONFIGS), opt, namespace=namespace, seed=11)
+    ours = StoreEmbeddingBagCollection(CONFIGS, store)
+    ref = EmbeddingBagCollection(CONFIGS)
+    with torch.no_grad():  # same starting weights: the store's lazy init
+        for c in CONFIGS:
+            ref.embedding_bags[c.name].weight.copy_(torch.from_numpy(store.pull(c.name, np.arange(c.num_embeddings))))
+    ref_opt = (
+        torch.optim.SGD(ref.parameters(), lr=lr) if kind == "sgd" else TorchrecRowWiseAdagrad(ref.parameters(), lr=lr)
+    )
+    proj = torch.randn(
+        sum(len(c.feature_names) * c.embedding_dim for c in CONFIGS), 4, generator=torch.Generator().manual_seed(0)
+    )
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        kjt = make_kjt(rng)
+        out_ours, out_ref = ours(kjt), ref(kjt)
+        assert out_ours.keys() == out_ref.keys() == ["f0", "f1", "f2"]
+        torch.testing.assert_close(out_ours.values(), out_ref.values(), rtol=0, atol=1e-5)
+        loss_of(out_ours, proj).backward()
+        ours.apply_gradients()
+        ref_opt.zero_grad()
+        loss_of(out_ref, proj).backward()
+        ref_opt.step()
+    worst = 0.0
+    for c in CONFIGS:
+        got = store.pull(c.name, np.arange(c.num_embeddings))
+        want = ref.embedding_bags[c.name].weight.detach().numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert worst < 1e-5
+    moved = store.clear()
+    assert moved > 20  # rows were written to the shards
+    store.close()
+
+
+def test_dlrm_accepts_module_and_trains(shards3, namespace):
+    store = RedisStore(shards3.urls, TableSet.from_torchrec(CONFIGS), SGD(lr=0.1), namespace=namespace)
+    ebc = StoreEmbeddingBagCollection(CONFIGS, store)
+    model = DLRM(
+        embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1]
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rng = np.random.default_rng(0)
+    kjt = make_kjt(rng)
+    dense = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(1))
+    labels = (torch.arange(BATCH) % 2).float()
+    losses = []
+    for _ in range(100):
+        logits = model(dense, kjt).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ebc.apply_gradients()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    store.clear()
+    store.close()
+
+
+def test_module_rejects_mismatched_configs(shards3, namespace):
+    store = RedisStore(shards3.urls, TableSet.from_torchrec(CONFIGS), SGD(), namespace=namespace)
+    other = [EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=100, feature_names=["f0"])]
+    with pytest.raises(ValueError, match=r"table 't0': config has 100 rows x 16 dim, store has 100 x 8"):
+        StoreEmbeddingBagCollection(other, store)
+    missing = [EmbeddingBagConfig(name="zz", embedding_dim=8, num_embeddings=100, feature_names=["f0"])]
+    with pytest.raises(UnknownTableError, match="'zz'"):
+        StoreEmbeddingBagCollection(missing, store)
+    store.close()

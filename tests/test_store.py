@@ -1,0 +1,145 @@
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from embeddings import (
+    SGD,
+    DimMismatchError,
+    InProcessStore,
+    LocalShards,
+    RedisStore,
+    RowRangeError,
+    RowWiseAdagrad,
+    ShardTimeoutError,
+    ShardUnavailableError,
+    StoreAuthError,
+    TableSet,
+    TableSpec,
+    UnknownTableError,
+)
+from embeddings.launcher import free_port
+from tests.conftest import track
+
+TABLES = TableSet([TableSpec("small", 500, 8), TableSpec("wide", 2000, 64), TableSpec("huge", 10**8, 16)])
+
+
+@pytest.mark.parametrize("opt", [SGD(lr=0.1), RowWiseAdagrad(lr=0.05)], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize("placement", ["row", "table"])
+def test_redis_and_reference_agree_row_for_row(shards3, namespace, opt, placement):
+    rng = np.random.default_rng(1)
+    ref = InProcessStore(TABLES, opt, seed=3)
+    written: set[tuple[str, int]] = set()
+    with RedisStore(shards3.urls, TABLES, opt, namespace=namespace, seed=3, placement=placement) as st:
+        for _ in range(10):
+            req = {}
+            for t in TABLES:
+                ids = rng.integers(0, min(t.num_rows, 3000), 300)  # duplicates included
+                req[t.name] = (ids, rng.standard_normal((300, t.dim)).astype(np.float32))
+                written.update((t.name, int(i)) for i in ids)
+            st.update_many(req)
+            ref.update_many(req)
+        for t in TABLES:
+            ids = np.arange(min(t.num_rows, 3000))
+            got, want = st.read_rows(t.name, ids), ref.read_rows(t.name, ids)
+            assert got.shape == (len(ids), t.dim + opt.state_width)
+            np.testing.assert_array_equal(got, want)
+        # rows are really spread: every shard holds keys of this namespace
+        per_shard = [len(list(redis.Redis.from_url(u).scan_iter(f"{namespace}:*", count=1000))) for u in shards3.urls]
+        if placement == "row":
+            assert min(per_shard) > 0
+        assert sum(per_shard) == len(written)  # one key per written row, none for reads
+        assert st.clear() == len(written)
+
+
+def test_duplicates_are_summed_and_untouched_rows_are_lazy(shards3, namespace):
+    with RedisStore(shards3.urls, TABLES, SGD(lr=1.0), namespace=namespace) as st:
+        before = st.pull("huge", np.array([5, 99_999_999]))
+        st.update("huge", np.array([5, 5]), np.ones((2, 16), np.float32))
+        after = st.pull("huge", np.array([5, 99_999_999]))
+        np.testing.assert_allclose(after[0], before[0] - 2.0, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(after[1], before[1])
+        assert st.clear() == 1  # the read of a never-written row wrote nothing
+
+
+def test_namespaces_isolate_two_runs_on_one_redis(shards3, namespace):
+    a = RedisStore(shards3.urls, TABLES, SGD(lr=1.0), namespace=namespace + "a")
+    b = RedisStore(shards3.urls, TABLES, SGD(lr=1.0), namespace=namespace + "b")
+    ids = np.arange(10)
+    base = b.pull("small", ids)
+    a.update("small", ids, np.ones((10, 8), np.float32))
+    np.testing.assert_array_equal(b.pull("small", ids), base)
+    assert not np.array_equal(a.pull("small", ids), base)
+    a.clear(), b.clear(), a.close(), b.close()
+
+
+def test_bad_input_errors_name_the_value(shards3, namespace):
+    with RedisStore(shards3.urls, TABLES, RowWiseAdagrad(), namespace=namespace) as st:
+        with pytest.raises(UnknownTableError, match="unknown table 'nope'; known tables: small, wide, huge"):
+            st.pull("nope", np.arange(3))
+        with pytest.raises(RowRangeError, match=r"table 'small': row id 500 out of range \[0, 500\)"):
+            st.pull("small", np.array([1, 500]))
+        with pytest.raises(RowRangeError, match="row id -1"):
+            st.update("small", np.array([-1]), np.zeros((1, 8), np.float32))
+        with pytest.raises(DimMismatchError, match=r"table 'wide': gradients have shape \(2, 8\), expected \[n, 64\]"):
+            st.update("wide", np.array([1, 2]), np.zeros((2, 8), np.float32))
+        with pytest.raises(DimMismatchError, match=r"table 'small': rows have shape \(1, 8\), expected \[n, 9\]"):
+            st.write_rows("small", np.array([1]), np.zeros((1, 8), np.float32))
+    with pytest.raises(ValueError, match="must start with redis:// or rediss://"):
+        RedisStore(["http://127.0.0.1:1"], TABLES, SGD())
+
+
+def test_unreachable_endpoint_raises_typed_error_within_timeout():
+    port = free_port()  # nothing listens there
+    with RedisStore([f"redis://127.0.0.1:{port}/0"], TABLES, SGD(), timeout_s=1.0) as st:
+        t0 = time.monotonic()
+        with pytest.raises(ShardUnavailableError, match=rf"shard 0 at redis://127.0.0.1:{port}/0 is unavailable"):
+            st.pull("small", np.arange(3))
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_wrong_password_and_acl_user(namespace):
+    with LocalShards(1, password="s3cret-pw") as sh:
+        track(sh)
+        port = sh.ports[0]
+        bad = f"redis://:wrong@127.0.0.1:{port}/0"
+        with RedisStore([bad], TABLES, SGD(), timeout_s=2.0) as st:
+            with pytest.raises(StoreAuthError, match=rf"shard 0 at redis://127.0.0.1:{port}/0 rejected") as ei:
+                st.pull("small", np.arange(3))
+            assert "wrong" not in str(ei.value).split("rejected")[0]  # the password is never echoed
+        with RedisStore([f"redis://127.0.0.1:{port}/0"], TABLES, SGD(), timeout_s=2.0) as st:
+            with pytest.raises(StoreAuthError):
+                st.pull("small", np.arange(3))
+        admin = redis.Redis.from_url(sh.url(0))
+        admin.acl_setuser(
+            "trainer", enabled=True, passwords=["+trainer-pw"], keys=[f"{namespace}:*"], commands=["+@all"]
+        )
+        with RedisStore(
+            [f"redis://trainer:trainer-pw@127.0.0.1:{port}/0"], TABLES, SGD(lr=1.0), namespace=namespace
+        ) as st:
+            st.update("small", np.array([4]), np.ones((1, 8), np.float32))
+            assert admin.exists(st.key(0, 4)) == 1
+            assert st.endpoints == [f"redis://trainer@127.0.0.1:{port}/0"]
+        admin.close()
+
+
+def test_killed_and_stalled_shards_raise_within_timeout(namespace):
+    with LocalShards(2) as sh:
+        track(sh)
+        with RedisStore(sh.urls, TABLES, SGD(), namespace=namespace, timeout_s=0.5) as st:
+            ids = np.arange(200)
+            st.pull("small", ids)
+            sh.stall(1)
+            t0 = time.monotonic()
+            with pytest.raises(ShardTimeoutError, match=f"shard 1 at redis://127.0.0.1:{sh.ports[1]}/0"):
+                st.pull("small", ids)
+            assert time.monotonic() - t0 < 1.2
+            sh.resume(1)
+            sh.kill(0)
+            with pytest.raises(ShardUnavailableError, match=f"shard 0 at redis://127.0.0.1:{sh.ports[0]}/0") as ei:
+                st.pull("small", ids)
+            assert not isinstance(ei.value, ShardTimeoutError)
+            sh.restart(0)
+            assert st.ping() == [True, True]
+            st.pull("small", ids)  # a restarted shard serves (lazy init) again
