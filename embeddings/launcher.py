@@ -80,6 +80,8 @@ class LocalShards:
         redis_server: str | None = None,
         startup_timeout_s: float = 10.0,
         maxmemory: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
     ) -> None:
         if num_shards <= 0:
             raise ValueError(f"num_shards={num_shards} must be > 0")
@@ -89,6 +91,9 @@ class LocalShards:
         self.binary = find_redis_server(redis_server)
         self.startup_timeout_s = startup_timeout_s
         self.maxmemory = maxmemory
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        self.tls = (tls_cert_file, tls_key_file) if tls_cert_file else None
         self._root: Path | None = None
         self._shards: list[_Shard] = []
 
@@ -128,7 +133,8 @@ class LocalShards:
     # -- addresses ----------------------------------------------------------------------
     def url(self, i: int) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{self._shards[i].port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}{self.host}:{self._shards[i].port}/0"
 
     @property
     def urls(self) -> list[str]:
@@ -181,8 +187,12 @@ class LocalShards:
 
     # -- internals ----------------------------------------------------------------------
     def _config(self, shard: _Shard) -> Path:
-        lines = [
-            f"port {shard.port}",
+        if self.tls:  # TLS only: the plain port is closed
+            ports = ["port 0", f"tls-port {shard.port}", f"tls-cert-file {self.tls[0]}"]
+            ports += [f"tls-key-file {self.tls[1]}", f"tls-ca-cert-file {self.tls[0]}", "tls-auth-clients no"]
+        else:
+            ports = [f"port {shard.port}"]
+        lines = ports + [
             f"bind {self.host}",
             "protected-mode yes",
             'save ""',
@@ -225,8 +235,14 @@ class LocalShards:
 
     def _wait_ready(self, shard: _Shard) -> tuple[bool, str]:
         deadline = time.monotonic() + self.startup_timeout_s
+        tls = dict(ssl=True, ssl_ca_certs=self.tls[0]) if self.tls else {}
         client = redis.Redis(
-            host=self.host, port=shard.port, password=self.password, socket_timeout=1.0, socket_connect_timeout=1.0
+            host=self.host,
+            port=shard.port,
+            password=self.password,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            **tls,
         )
         try:
             while time.monotonic() < deadline:

@@ -1,3 +1,4 @@
+import subprocess
 import time
 
 import numpy as np
@@ -143,3 +144,26 @@ def test_killed_and_stalled_shards_raise_within_timeout(namespace):
             sh.restart(0)
             assert st.ping() == [True, True]
             st.pull("small", ids)  # a restarted shard serves (lazy init) again
+
+
+def test_tls_with_password(tmp_path, namespace):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1"]
+        + ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    with LocalShards(2, password="tls-pw", tls_cert_file=str(cert), tls_key_file=str(key)) as sh:
+        track(sh)
+        assert all(u.startswith("rediss://:tls-pw@127.0.0.1:") for u in sh.urls)
+        tls = {"ssl_ca_certs": str(cert)}
+        with RedisStore(sh.urls, TABLES, SGD(lr=1.0), namespace=namespace, connection_kwargs=tls) as st:
+            before = st.pull("wide", np.arange(1500))
+            st.update("wide", np.arange(1500), np.ones((1500, 64), np.float32))
+            np.testing.assert_allclose(st.pull("wide", np.arange(1500)), before - 1.0, atol=1e-6)
+        # the same endpoints without TLS: the server speaks only TLS there
+        plain = [u.replace("rediss://", "redis://") for u in sh.urls]
+        with RedisStore(plain, TABLES, SGD(), timeout_s=1.0) as st:
+            with pytest.raises(ShardUnavailableError, match="shard 0 at redis://127.0.0.1"):
+                st.pull("wide", np.arange(3))
