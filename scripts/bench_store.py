@@ -109,8 +109,8 @@ def main() -> None:
                 store.write_rows("t", ids, np.ones((len(ids), DIM), np.float32))  # rows exist: steady state
                 grads = np.full((len(ids), DIM), 1e-3, np.float32)
                 for op, fn, ref in (
-                    ("pull", lambda: store.pull("t", ids), rb["GET"]),
-                    ("update", lambda: store.update("t", ids, grads), rb["SET"]),
+                    ("pull", lambda ids=ids: store.pull("t", ids), rb["GET"]),
+                    ("update", lambda ids=ids, grads=grads: store.update("t", ids, grads), rb["SET"]),
                 ):
                     sec = timed(fn, args.seconds)
                     rate = len(ids) / sec
