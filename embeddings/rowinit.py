@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from embeddings.shard_map import _GOLDEN, mix64, row_hash
+from data.hashing import hash_uniform
 
 
 def init_rows(seed: int, table_index: int, ids: np.ndarray, dim: int, scale: float) -> np.ndarray:
     """[n, dim] float32 initial weights for ``ids`` of one table."""
-    ids = np.asarray(ids, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        base = row_hash(table_index, ids) ^ mix64(np.array([seed], dtype=np.uint64) + _GOLDEN)
-        cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
-        bits = mix64(base[:, None] + cols[None, :])
-    # top 24 bits -> [0, 1) exactly representable in float32
-    u = (bits >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24))
+    # one key per (seed, table): distinct seeds or tables give unrelated rows
+    u = hash_uniform(seed * 1_000_003 + table_index, np.asarray(ids, dtype=np.int64), dim)
     return (u * np.float32(2.0) - np.float32(1.0)) * np.float32(scale)

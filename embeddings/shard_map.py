@@ -16,34 +16,16 @@ from typing import Literal
 
 import numpy as np
 
+from data.hashing import keyed_hash
 from embeddings.tables import TableSet
 
 Placement = Literal["table", "row"]
 PLACEMENTS: tuple[str, ...] = ("table", "row")
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * _M1
-        x = x ^ (x >> np.uint64(27))
-        x = x * _M2
-        x = x ^ (x >> np.uint64(31))
-    return x
-
 
 def row_hash(table_index: int, ids: np.ndarray) -> np.ndarray:
     """A 64-bit hash of (table, row) per id; [n] uint64."""
-    ids = np.asarray(ids, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        seed = mix64(np.array([table_index + 1], dtype=np.uint64) * _GOLDEN)
-        return mix64(ids ^ seed)
+    return keyed_hash(table_index, ids)
 
 
 def place_tables(sizes: list[int], num_shards: int) -> list[int]:

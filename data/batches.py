@@ -1,0 +1,138 @@
+"""Batches for torchrec: slicing the global batch per rank and a resumable reader.
+
+A *source* is anything with ``read(start, count) -> Samples``-like arrays (``dense`` [n, 13]
+float32, ``sparse`` [n, 26] int64, ``labels`` [n]) and ``num_rows`` (``None`` = endless):
+``SyntheticSource`` or ``BinarySource`` (a row range of preprocessed Criteo files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from data.criteo import SPARSE_NAMES, BinaryCriteo
+from data.errors import DataError
+
+
+class Source(Protocol):
+    num_rows: int | None
+
+    def read(self, start: int, count: int): ...
+
+
+@dataclass
+class Arrays:
+    dense: np.ndarray
+    sparse: np.ndarray
+    labels: np.ndarray
+
+
+class BinarySource:
+    """Rows ``[lo, hi)`` of a preprocessed Criteo file set; categorical values mod each table's rows."""
+
+    def __init__(self, data: BinaryCriteo, rows_per_table: Sequence[int], lo: int = 0, hi: int | None = None):
+        hi = len(data) if hi is None else hi
+        if not 0 <= lo <= hi <= len(data):
+            raise ValueError(f"row range [{lo}, {hi}) outside [0, {len(data)})")
+        if len(rows_per_table) != data.sparse.shape[1]:
+            raise ValueError(f"rows_per_table has {len(rows_per_table)} entries, expected {data.sparse.shape[1]}")
+        self.data = data
+        self.mod = np.asarray(rows_per_table, dtype=np.int64)
+        self.lo = lo
+        self.num_rows: int | None = hi - lo
+
+    def read(self, start: int, count: int) -> Arrays:
+        assert self.num_rows is not None
+        if start < 0 or start + count > self.num_rows:
+            raise ValueError(f"read [{start}, {start + count}) outside [0, {self.num_rows})")
+        a, b = self.lo + start, self.lo + start + count
+        return Arrays(
+            dense=np.asarray(self.data.dense[a:b]),
+            sparse=np.asarray(self.data.sparse[a:b]) % self.mod,
+            labels=np.asarray(self.data.labels[a:b]).reshape(-1),
+        )
+
+
+def rank_slice(global_batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of the global batch that ``rank`` trains on."""
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world of size {world_size}")
+    if global_batch_size <= 0 or global_batch_size % world_size:
+        raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of world size {world_size}")
+    per = global_batch_size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray, keys: Sequence[str] = SPARSE_NAMES) -> Batch:
+    """Arrays -> torchrec ``Batch``; one id per sample and feature (Criteo), keys in ``keys`` order."""
+    n, f = sparse.shape
+    if len(keys) != f:
+        raise ValueError(f"{len(keys)} feature keys for {f} sparse columns")
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(keys),
+        values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),  # key-major
+        lengths=torch.ones(n * f, dtype=torch.int32),
+    )
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        sparse_features=kjt,
+        labels=torch.from_numpy(np.asarray(labels, dtype=np.float32)),
+    )
+
+
+class BatchReader:
+    """Reads global batches from a source and hands this rank its slice, with a saveable position.
+
+    The position is the next global row; ``state_dict()``/``load_state_dict()`` save and restore it
+    exactly: reading k batches, saving, reading m more yields the same m batches as restoring the
+    saved state in a fresh reader and reading m. A finite source ends after its last full batch
+    (``epochs`` > 1 wraps around).
+    """
+
+    def __init__(self, source: Source, global_batch_size: int, *, world_size: int = 1, rank: int = 0, epochs: int = 1):
+        self.lo, self.hi = rank_slice(global_batch_size, world_size, rank)
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.epochs = epochs
+        self.position = 0  # global rows consumed, across epochs
+        if source.num_rows is not None and source.num_rows < global_batch_size:
+            raise DataError(f"source has {source.num_rows} rows, fewer than one global batch of {global_batch_size}")
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        n = self.source.num_rows
+        return None if n is None else n // self.global_batch_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        g = self.global_batch_size
+        step = self.position // g
+        per_epoch = self.batches_per_epoch
+        if per_epoch is not None:
+            if step >= per_epoch * self.epochs:
+                raise StopIteration
+            start = (step % per_epoch) * g
+        else:
+            start = self.position
+        arr = self.source.read(start + self.lo, self.hi - self.lo)
+        self.position += g
+        return make_batch(arr.dense, arr.sparse, arr.labels)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["global_batch_size"] != self.global_batch_size:
+            raise DataError(
+                f"reader state was saved with global batch size {state['global_batch_size']}, "
+                f"this reader uses {self.global_batch_size}"
+            )
+        self.position = int(state["position"])
