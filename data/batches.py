@@ -53,9 +53,9 @@ class BinarySource:
             raise ValueError(f"read [{start}, {start + count}) outside [0, {self.num_rows})")
         a, b = self.lo + start, self.lo + start + count
         return Arrays(
-            dense=np.asarray(self.data.dense[a:b]),
-            sparse=np.asarray(self.data.sparse[a:b]) % self.mod,
-            labels=np.asarray(self.data.labels[a:b]).reshape(-1),
+            dense=np.array(self.data.dense[a:b]),  # copy out of the read-only map
+            sparse=self.data.sparse[a:b] % self.mod,
+            labels=np.array(self.data.labels[a:b]).reshape(-1),
         )
 
 

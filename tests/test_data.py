@@ -10,9 +10,8 @@ from data.criteo import NUM_SPARSE, BinaryCriteo, CriteoTsvReader, kaggle_split,
 from data.errors import DataError, MalformedLineError
 from data.synthetic import SyntheticConfig, SyntheticSource, auc, teacher_auc, write_tsv
 
+# shared/ lies beside the checkout (in development and in CI)
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.tsv"
-if not SAMPLE.exists():  # CI lays shared/ beside the clone
-    SAMPLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
 
 
 def read_all(paths, **kw):
