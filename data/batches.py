@@ -136,3 +136,24 @@ class BatchReader:
                 f"this reader uses {self.global_batch_size}"
             )
         self.position = int(state["position"])
+
+
+class ConcatSource:
+    """Several finite sources read as one (e.g. Terabyte days 0-22)."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        if not sources or any(s.num_rows is None for s in sources):
+            raise ValueError("ConcatSource needs one or more finite sources")
+        self.sources = list(sources)
+        self.bounds = np.cumsum([0] + [s.num_rows for s in sources])  # type: ignore[misc]
+        self.num_rows: int | None = int(self.bounds[-1])
+
+    def read(self, start: int, count: int) -> Arrays:
+        parts = []
+        pos, end = start, start + count
+        while pos < end:
+            i = int(np.searchsorted(self.bounds, pos, side="right")) - 1
+            take = min(end, int(self.bounds[i + 1])) - pos
+            parts.append(self.sources[i].read(pos - int(self.bounds[i]), take))
+            pos += take
+        return Arrays(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("dense", "sparse", "labels")))

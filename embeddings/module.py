@@ -23,7 +23,13 @@ _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
-    def __init__(self, tables: list[EmbeddingBagConfig], store: EmbeddingStore, is_weighted: bool = False) -> None:
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        store: EmbeddingStore,
+        is_weighted: bool = False,
+        row_source=None,
+    ) -> None:
         super().__init__()
         if is_weighted:
             raise ValueError("StoreEmbeddingBagCollection: weighted features are not supported (is_weighted=True)")
@@ -39,6 +45,8 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._configs = list(tables)
         self._names = get_embedding_names_by_table(tables)
         self.store = store
+        # where forward gets rows: the store, or a Prefetcher in front of it
+        self.row_source = row_source if row_source is not None else store
         # per forward with grad: table name -> (unique ids [n] int64, leaf rows [n, dim])
         self._pending: list[dict[str, tuple[np.ndarray, torch.Tensor]]] = []
 
@@ -48,13 +56,21 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def is_weighted(self) -> bool:
         return False
 
+    def unique_ids(self, features: KeyedJaggedTensor) -> dict[str, np.ndarray]:
+        """Per table: the sorted unique row ids that ``forward(features)`` will pull."""
+        jagged = features.to_dict()
+        return {
+            c.name: torch.unique(torch.cat([jagged[f].values() for f in c.feature_names])).numpy()
+            for c in self._configs
+        }
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         jagged = features.to_dict()
         unique: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for c in self._configs:
             values = torch.cat([jagged[f].values() for f in c.feature_names])
             unique[c.name] = torch.unique(values, return_inverse=True)
-        rows = self.store.pull_many({name: u.numpy() for name, (u, _) in unique.items()})
+        rows = self.row_source.pull_many({name: u.numpy() for name, (u, _) in unique.items()})
 
         track = torch.is_grad_enabled() and self.training
         pooled, keys, dims, step = [], [], [], {}
@@ -96,10 +112,15 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 grads.setdefault(name, []).append(weight.grad)
         return {name: (np.concatenate(ids[name]), torch.cat(grads[name])) for name in ids}
 
-    def apply_gradients(self) -> None:
-        """Send this step's per-row gradients to the store's optimizer, then forget them."""
+    def pop_sparse_grads(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
+        """``sparse_grads()``, then forget them (the caller applies them, e.g. after aggregation)."""
         grads = self.sparse_grads()
         self._pending = []
+        return grads
+
+    def apply_gradients(self) -> None:
+        """Send this step's per-row gradients to the store's optimizer, then forget them."""
+        grads = self.pop_sparse_grads()
         if grads:
             self.store.update_many(grads)
 

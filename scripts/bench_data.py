@@ -41,7 +41,9 @@ def main() -> None:
         tsv = Path(tmp) / "train.txt"
         t0 = time.perf_counter()
         write_tsv(cfg, tsv, args.rows)
-        print(f"write synthetic TSV      {rate(args.rows, time.perf_counter() - t0)}  {tsv.stat().st_size / 1e6:.0f} MB")
+        print(
+            f"write synthetic TSV      {rate(args.rows, time.perf_counter() - t0)}  {tsv.stat().st_size / 1e6:.0f} MB"
+        )
 
         t0 = time.perf_counter()
         n = sum(len(c.labels) for c in CriteoTsvReader([tsv]))

@@ -1,0 +1,140 @@
+"""Embedding backends behind one small interface, so the training loop has no branches.
+
+``StoreBackend``: rows in the Redis tier (pull, prefetch, cross-trainer aggregation, one writer
+per shard). ``LocalBackend``: torchrec's in-process ``EmbeddingBagCollection`` (the baseline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+
+from embeddings import RedisStore
+from embeddings.prefetch import Prefetcher
+from recsys.config import RunConfig
+from recsys.model import local_embedding_optimizer, local_model, row_optimizer, store_model, table_set
+from recsys.sparse import aggregate
+
+DIGEST_BLOCK = 65536
+
+
+class StoreBackend:
+    def __init__(self, cfg: RunConfig, urls: list[str], namespace: str, world_size: int, rank: int) -> None:
+        self.cfg = cfg
+        self.world_size, self.rank = world_size, rank
+        self.store = RedisStore(
+            urls,
+            table_set(cfg),
+            row_optimizer(cfg),
+            namespace=namespace,
+            seed=cfg.train.seed,
+            placement=cfg.embeddings.placement,
+            timeout_s=cfg.embeddings.timeout_s,
+        )
+        self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch else None
+        self.model, self.ebc = store_model(cfg, self.store, row_source=self.prefetcher)
+        self.names = self.store.tables.names
+
+    def prefetch(self, batch: Batch | None) -> None:
+        if self.prefetcher is not None and batch is not None:
+            self.prefetcher.prefetch(self.ebc.unique_ids(batch.sparse_features))
+
+    def step(self) -> None:
+        """Aggregate this step's row gradients over trainers; apply the rows of owned shards."""
+        update = aggregate(
+            self.ebc.pop_sparse_grads(),
+            self.names,
+            self.cfg.model.embedding_dim,
+            self.store.shard_map,
+            self.world_size,
+            self.rank,
+        )
+        if update.owned:
+            self.store.update_many(update.owned)
+        if self.prefetcher is not None:
+            self.prefetcher.invalidate(update.updated)
+        if self.world_size > 1:
+            dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Read straight from the store, leaving a pending prefetch untouched."""
+        self.ebc.row_source = self.store
+        try:
+            yield
+        finally:
+            self.ebc.row_source = self.prefetcher if self.prefetcher is not None else self.store
+
+    def table_blocks(self):
+        for spec in self.store.tables:
+            yield (
+                spec.name,
+                (
+                    self.store.read_rows(spec.name, np.arange(lo, min(lo + DIGEST_BLOCK, spec.num_rows)))
+                    for lo in range(0, spec.num_rows, DIGEST_BLOCK)
+                ),
+            )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for spec in self.store.tables:
+            out[spec.name] = torch.from_numpy(self.store.pull(spec.name, np.arange(spec.num_rows)))
+        return out
+
+    def stats(self) -> dict:
+        p = self.prefetcher
+        return (
+            {}
+            if p is None
+            else {
+                "prefetch_hits": p.num_hits,
+                "prefetch_refreshed_rows": p.num_refreshed_rows,
+                "prefetched_rows": p.num_prefetched_rows,
+            }
+        )
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.store.close()
+
+
+class LocalBackend:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.model, self.ebc = local_model(cfg)
+        self.optimizer = local_embedding_optimizer(cfg, self.ebc)
+
+    def prefetch(self, batch: Batch | None) -> None:
+        pass
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        yield
+
+    def table_blocks(self):
+        for name, bag in self.ebc.embedding_bags.items():
+            w = bag.weight.detach()
+            state = self.optimizer.state.get(bag.weight, {}).get("sum")
+            if self.cfg.optim.optimizer == "adagrad":
+                state = state if state is not None else torch.zeros((w.shape[0], 1))
+                w = torch.cat([w, state.reshape(-1, 1)], dim=1)
+            yield name, (w[lo : lo + DIGEST_BLOCK].numpy() for lo in range(0, w.shape[0], DIGEST_BLOCK))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: bag.weight.detach().clone() for name, bag in self.ebc.embedding_bags.items()}
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,135 @@
+"""Command line: ``python -m recsys train [flags]``.
+
+Every flag overrides one config field (``--config FILE.toml`` gives the base). Errors in the
+config or its inputs print one line and exit with status 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from data.errors import DataError
+from embeddings.errors import EmbeddingStoreError
+from embeddings.launcher import LauncherError
+from recsys.config import ConfigError, RunConfig
+
+# flag -> (section, field, type, help)
+FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--data": (
+        "data",
+        "data",
+        str,
+        "synthetic | criteo-kaggle:PATH (train.txt[.gz] or a preprocessed dir) | criteo-terabyte:DIR",
+    ),
+    "--rows-per-table": ("data", "rows_per_table", int, "rows of each of the 26 embedding tables"),
+    "--zipf": ("data", "zipf", float, "synthetic: Zipf exponent of the categorical ids (> 1)"),
+    "--teacher": ("data", "teacher", str, "synthetic: label model, logistic | dot"),
+    "--eval-samples": ("data", "eval_samples", int, "held-out samples per evaluation"),
+    "--embedding-dim": ("model", "embedding_dim", int, "dim of every embedding table"),
+    "--embeddings": (
+        "embeddings",
+        "embeddings",
+        str,
+        "redis (the sharded tier) | local (torchrec's in-process EBC baseline)",
+    ),
+    "--redis": (
+        "embeddings",
+        "redis",
+        str,
+        "local (start shards here) | redis[s]://[user:pass@]host:port[,...] (shards that already run)",
+    ),
+    "--shards": ("embeddings", "shards", int, "local shards to start when --redis local"),
+    "--placement": ("embeddings", "placement", str, "row -> shard map: row (hashed per row) | table"),
+    "--timeout": ("embeddings", "timeout_s", float, "seconds before a silent shard is failed"),
+    "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
+    "--optimizer": ("optim", "optimizer", str, "sgd | adagrad (row-wise for embeddings)"),
+    "--lr": ("optim", "lr", float, "learning rate"),
+    "--steps": ("train", "steps", int, "training steps"),
+    "--batch-size": ("train", "batch_size", int, "global batch size (split over trainers)"),
+    "--trainers": ("train", "trainers", int, "local trainer processes (torchrun sets its own world)"),
+    "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
+    "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
+    "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),
+    "--out": ("train", "out", str, "run directory"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train a DLRM model", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tr.add_argument("--config", help="TOML file with [data] [model] [embeddings] [optim] [train] sections")
+    for flag, (_, _, typ, help_) in FLAGS.items():
+        tr.add_argument(flag, type=str, default=None, help=f"{help_} ({typ.__name__})")
+    tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows")
+    tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> RunConfig:
+    cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    sections = cfg.to_dict()
+    for flag, (section, field, typ, _) in FLAGS.items():
+        raw = getattr(args, flag[2:].replace("-", "_"))
+        if raw is None:
+            continue
+        try:
+            sections[section][field] = typ(raw)
+        except ValueError:
+            raise ConfigError(f"{flag} {raw!r}: not a valid {typ.__name__}") from None
+    if args.no_prefetch:
+        sections["embeddings"]["prefetch"] = False
+    if args.save_model:
+        sections["train"]["save_model"] = True
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    if under_torchrun:
+        # the launcher sets the world; batch divisibility is checked against it
+        sections["train"]["trainers"] = int(os.environ["WORLD_SIZE"])
+    cfg = RunConfig.from_dict(sections, source="flags")
+    if under_torchrun and cfg.embeddings.embeddings == "redis" and cfg.embeddings.redis == "local":
+        raise ConfigError("redis='local': under torchrun, --redis must list the URLs of shards that already run")
+    return replace(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from recsys.launch import TrainerFailed, run
+
+    try:
+        cfg = resolve(args)
+        summary = run(cfg, under_launcher="TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ)
+    except (ConfigError, DataError, EmbeddingStoreError, LauncherError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainerFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: trainers and shards stopped", file=sys.stderr)
+        return 130
+    if summary is not None:
+        ceiling = summary["ceiling_auc"]
+        print(
+            json.dumps(
+                {
+                    k: summary[k]
+                    for k in (
+                        "steps_completed",
+                        "throughput_samples_per_s",
+                        "final_auc",
+                        "final_logloss",
+                        "ceiling_auc",
+                    )
+                }
+            )
+        )
+        print(
+            f"outputs in {cfg.train.out}/ (summary.json, metrics.jsonl, config.toml, plots/training.png)\n"
+            f"final AUC {summary['final_auc']:.4f}"
+            + (f"  beside the teacher's ceiling {ceiling:.4f}" if ceiling is not None else "")
+        )
+    return 0

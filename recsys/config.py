@@ -1,0 +1,238 @@
+"""Typed run configuration: one dataclass per section, validated on construction.
+
+Every field can come from a TOML file (``--config run.toml``, sections as below) and be
+overridden by a flag; the resolved config is written to ``{out}/config.toml``. A bad value raises
+``ConfigError`` naming the field and the value before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the value."""
+
+
+def _check(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {why}")
+
+
+@dataclass
+class DataConfig:
+    data: str = "synthetic"
+    """``synthetic``, ``criteo-kaggle:PATH`` (preprocessed dir or train.txt) or ``criteo-terabyte:DIR``."""
+    rows_per_table: int = 100_000
+    """Rows of each of the 26 tables (categorical values are taken mod this)."""
+    zipf: float = 1.2
+    """Synthetic only: Zipf exponent of the categorical ids (> 1)."""
+    teacher: Literal["logistic", "dot"] = "dot"
+    """Synthetic only: the label model."""
+    eval_samples: int = 32_768
+    """Held-out samples per evaluation."""
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        _check(
+            kind in ("synthetic", "criteo-kaggle", "criteo-terabyte"),
+            "data",
+            self.data,
+            "must be synthetic, criteo-kaggle:PATH or criteo-terabyte:DIR",
+        )
+        if kind != "synthetic":
+            _check(bool(self.path), "data", self.data, "needs a path after the colon")
+            _check(Path(self.path).exists(), "data", self.data, f"path {self.path!r} does not exist")
+        _check(self.rows_per_table > 0, "rows_per_table", self.rows_per_table, "must be > 0")
+        _check(self.zipf > 1.0, "zipf", self.zipf, "must be > 1")
+        _check(self.teacher in ("logistic", "dot"), "teacher", self.teacher, "must be logistic or dot")
+        _check(self.eval_samples > 0, "eval_samples", self.eval_samples, "must be > 0")
+
+    @property
+    def kind(self) -> str:
+        return self.data.split(":", 1)[0]
+
+    @property
+    def path(self) -> str:
+        return self.data.split(":", 1)[1] if ":" in self.data else ""
+
+
+@dataclass
+class ModelConfig:
+    embedding_dim: int = 16
+    """Dim of every embedding table (DLRM's interaction needs one dim)."""
+    dense_arch: list[int] = field(default_factory=lambda: [64])
+    """Hidden sizes of the bottom MLP; a final layer of embedding_dim is appended."""
+    over_arch: list[int] = field(default_factory=lambda: [64, 32])
+    """Hidden sizes of the top MLP; a final layer of 1 (the logit) is appended."""
+
+    def __post_init__(self) -> None:
+        _check(self.embedding_dim > 0, "embedding_dim", self.embedding_dim, "must be > 0")
+        _check(all(h > 0 for h in self.dense_arch), "dense_arch", self.dense_arch, "sizes must be > 0")
+        _check(all(h > 0 for h in self.over_arch), "over_arch", self.over_arch, "sizes must be > 0")
+
+
+@dataclass
+class EmbeddingConfig:
+    embeddings: Literal["redis", "local"] = "redis"
+    """``redis``: the sharded tier; ``local``: torchrec's in-process EmbeddingBagCollection (baseline)."""
+    redis: str = "local"
+    """``local`` (start ``shards`` redis-servers here) or comma-separated ``redis://``/``rediss://`` URLs."""
+    shards: int = 3
+    """Local shards to start when redis=local (ignored when URLs are given: one shard per URL)."""
+    placement: Literal["row", "table"] = "row"
+    """Row -> shard map: hashed per row, or whole tables."""
+    timeout_s: float = 5.0
+    """Deadline of every store call; a shard that does not answer in time is failed."""
+    prefetch: bool = True
+    """Pull the next batch's rows while this batch computes."""
+    namespace: str = ""
+    """Key namespace of the run in Redis (default: a fresh one per run)."""
+
+    def __post_init__(self) -> None:
+        _check(self.embeddings in ("redis", "local"), "embeddings", self.embeddings, "must be redis or local")
+        _check(self.shards > 0, "shards", self.shards, "must be > 0")
+        _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
+        _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
+        if self.redis != "local":
+            for url in self.urls:
+                _check(
+                    url.startswith(("redis://", "rediss://")),
+                    "redis",
+                    url,
+                    "each URL must start with redis:// or rediss://",
+                )
+
+    @property
+    def urls(self) -> list[str]:
+        return [] if self.redis == "local" else [u.strip() for u in self.redis.split(",") if u.strip()]
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["sgd", "adagrad"] = "adagrad"
+    """Embedding rows: SGD or row-wise Adagrad; dense layers: SGD or Adagrad."""
+    lr: float = 0.05
+    """Learning rate of embeddings and dense layers."""
+    eps: float = 1e-8
+    """Adagrad epsilon."""
+
+    def __post_init__(self) -> None:
+        _check(self.optimizer in ("sgd", "adagrad"), "optimizer", self.optimizer, "must be sgd or adagrad")
+        _check(self.lr > 0, "lr", self.lr, "must be > 0")
+        _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Training steps (global batches)."""
+    batch_size: int = 1024
+    """Global batch size, split evenly across trainers."""
+    trainers: int = 2
+    """Local trainer processes (ignored under torchrun, which sets the world)."""
+    seed: int = 0
+    """Seeds data, model init and the lazy embedding init."""
+    eval_every: int = 250
+    """Evaluate every N steps (and at the end); 0 = only at the end."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every N steps."""
+    out: str = "runs/latest"
+    """Run directory for config.toml, metrics.jsonl, summary.json, plots/."""
+    save_model: bool = False
+    """Also write final_model.pt (dense state and every embedding row; small tables only)."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps > 0, "steps", self.steps, "must be > 0")
+        _check(self.trainers > 0, "trainers", self.trainers, "must be > 0")
+        _check(self.batch_size > 0, "batch_size", self.batch_size, "must be > 0")
+        _check(
+            self.batch_size % self.trainers == 0,
+            "batch_size",
+            self.batch_size,
+            f"must be a multiple of trainers={self.trainers}",
+        )
+        _check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
+        _check(self.log_every > 0, "log_every", self.log_every, "must be > 0")
+        _check(bool(self.out), "out", self.out, "must be a directory path")
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.embeddings.embeddings == "local":
+            _check(
+                self.train.trainers == 1,
+                "trainers",
+                self.train.trainers,
+                "the local torchrec baseline runs in one process (use --trainers 1)",
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, values in d.items():
+            if name not in sections:
+                raise ConfigError(f"{source}: unknown section [{name}]; known: {', '.join(sections)}")
+            section_cls = {
+                "data": DataConfig,
+                "model": ModelConfig,
+                "embeddings": EmbeddingConfig,
+                "optim": OptimConfig,
+                "train": TrainConfig,
+            }[name]
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ConfigError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]; known: {sorted(known)}")
+            try:
+                kwargs[name] = section_cls(**values)
+            except TypeError as e:
+                raise ConfigError(f"{source}: [{name}]: {e}") from None
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r}: {e}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for k, v in values.items():
+                lines.append(f"{k} = {_toml_value(v)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")

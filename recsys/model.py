@@ -1,0 +1,82 @@
+"""The DLRM model from torchrec parts over either embedding backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+
+from data.criteo import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from embeddings import EmbeddingStore, TableSet, make_optimizer
+from embeddings.module import StoreEmbeddingBagCollection
+from embeddings.rowinit import init_rows
+from recsys.config import RunConfig
+
+
+def table_configs(cfg: RunConfig) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t_{name}",
+            embedding_dim=cfg.model.embedding_dim,
+            num_embeddings=cfg.data.rows_per_table,
+            feature_names=[name],
+        )
+        for name in SPARSE_NAMES[:NUM_SPARSE]
+    ]
+
+
+def table_set(cfg: RunConfig) -> TableSet:
+    return TableSet.from_torchrec(table_configs(cfg))
+
+
+def row_optimizer(cfg: RunConfig):
+    return make_optimizer(cfg.optim.optimizer, cfg.optim.lr, cfg.optim.eps)
+
+
+def build_dlrm(cfg: RunConfig, ebc) -> DLRM:
+    """DLRM over ``ebc``; dense init from ``cfg.train.seed`` so every backend starts the same."""
+    torch.manual_seed(cfg.train.seed)
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[*cfg.model.dense_arch, cfg.model.embedding_dim],
+        over_arch_layer_sizes=[*cfg.model.over_arch, 1],
+    )
+
+
+def store_model(cfg: RunConfig, store: EmbeddingStore, row_source=None) -> tuple[DLRM, StoreEmbeddingBagCollection]:
+    ebc = StoreEmbeddingBagCollection(table_configs(cfg), store, row_source=row_source)
+    return build_dlrm(cfg, ebc), ebc
+
+
+def local_model(cfg: RunConfig) -> tuple[DLRM, EmbeddingBagCollection]:
+    """torchrec's in-process EmbeddingBagCollection, started from the store's lazy init."""
+    configs = table_configs(cfg)
+    ebc = EmbeddingBagCollection(configs)
+    tables = table_set(cfg)
+    with torch.no_grad():
+        for t, c in enumerate(configs):
+            spec = tables.specs[t]
+            rows = init_rows(cfg.train.seed, t, np.arange(c.num_embeddings), c.embedding_dim, spec.scale)
+            ebc.embedding_bags[c.name].weight.copy_(torch.from_numpy(rows))
+    return build_dlrm(cfg, ebc), ebc
+
+
+def dense_params(model: torch.nn.Module):
+    return [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+
+
+def dense_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    if cfg.optim.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.optim.lr)
+    return torch.optim.Adagrad(params, lr=cfg.optim.lr, eps=cfg.optim.eps)
+
+
+def local_embedding_optimizer(cfg: RunConfig, ebc: EmbeddingBagCollection) -> torch.optim.Optimizer:
+    """The same row update as the store's optimizer, on torchrec's parameters."""
+    if cfg.optim.optimizer == "sgd":
+        return torch.optim.SGD(ebc.parameters(), lr=cfg.optim.lr)
+    return TorchrecRowWiseAdagrad(ebc.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)

@@ -1,0 +1,101 @@
+"""Run outputs: config.toml, metrics.jsonl, summary.json, plots/training.png, embedding digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from recsys.config import RunConfig
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def embedding_digest(tables: Iterable[tuple[str, Iterable[np.ndarray]]]) -> str:
+    """SHA-256 over every row of every table in (table, row id) order.
+
+    ``tables`` yields (name, blocks of consecutive rows from row 0) with each block
+    ``[n, dim + state]`` float32 (weights, then optimizer state).
+    """
+    h = hashlib.sha256()
+    for name, blocks in tables:
+        h.update(name.encode() + b"\0")
+        for block in blocks:
+            h.update(np.ascontiguousarray(block, dtype="<f4").tobytes())
+    return h.hexdigest()
+
+
+class RunOutputs:
+    """Writer of a run directory (rank 0 only)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.dir = Path(cfg.train.out)
+        (self.dir / "plots").mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.dir / "config.toml", cfg.to_toml())
+        self._metrics = open(self.dir / "metrics.jsonl", "w")
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def finish(self, summary: dict) -> None:
+        self._metrics.close()
+        _atomic_write(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        plot_training(self.records, summary, self.dir / "plots" / "training.png")
+
+
+class NullOutputs:
+    """What ranks other than 0 write: nothing."""
+
+    records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+
+def plot_training(records: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_auc) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    steps = [r["step"] for r in records if "loss" in r]
+    ax_loss.plot(steps, [r["loss"] for r in records if "loss" in r], lw=1, label="train loss (global batch)")
+    ax_loss.set_ylabel("logloss")
+    ev = [r for r in records if "auc" in r]
+    ax_auc.plot([r["step"] for r in ev], [r["auc"] for r in ev], "o-", label="eval AUC")
+    if summary.get("ceiling_auc") is not None:
+        ax_auc.axhline(
+            summary["ceiling_auc"], color="gray", ls="--", label=f"teacher ceiling {summary['ceiling_auc']:.4f}"
+        )
+    for i, f in enumerate(summary.get("failures", [])):
+        for ax in (ax_loss, ax_auc):
+            ax.axvline(
+                f["step"], color="red", ls=":", label=f"{f['kind']} failure" if i == 0 and ax is ax_loss else None
+            )
+    ax_auc.set_xlabel("step")
+    ax_auc.set_ylabel("AUC")
+    for ax in (ax_loss, ax_auc):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"{summary.get('embeddings', '')} embeddings, {summary.get('trainers', '')} trainer(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

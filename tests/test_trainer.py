@@ -1,0 +1,155 @@
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsys.cli import build_parser, resolve
+from recsys.config import ConfigError, DataConfig, EmbeddingConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from recsys.launch import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_config(out: Path, **train) -> RunConfig:
+    return RunConfig(
+        data=DataConfig(rows_per_table=500, eval_samples=2048),
+        model=ModelConfig(embedding_dim=8, dense_arch=[16], over_arch=[16]),
+        embeddings=EmbeddingConfig(shards=3),
+        optim=OptimConfig(optimizer="adagrad", lr=0.05),
+        train=TrainConfig(
+            **{
+                "steps": 30,
+                "batch_size": 64,
+                "trainers": 2,
+                "eval_every": 0,
+                "out": str(out),
+                "save_model": True,
+                **train,
+            }
+        ),
+    )
+
+
+def test_two_trainers_three_shards_equal_local_torchrec_with_the_global_batch(tmp_path):
+    dist_cfg = small_config(tmp_path / "dist")
+    local_cfg = small_config(tmp_path / "local", trainers=1)
+    local_cfg.embeddings.embeddings = "local"
+    s_dist = run(dist_cfg)
+    s_local = run(RunConfig.from_dict(local_cfg.to_dict()))
+    assert s_dist["steps_completed"] == s_local["steps_completed"] == 30
+    a = torch.load(tmp_path / "dist" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "local" / "final_model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert sum(k.startswith("embedding.") for k in a) == 26 and sum(k.startswith("dense.") for k in a) >= 6
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-5, worst
+    # and training really changed the model (not two untouched copies)
+    init = small_config(tmp_path / "x")
+    from recsys.model import local_model
+
+    m0, ebc0 = local_model(init)
+    moved = float((ebc0.embedding_bags["t_cat_0"].weight - a["embedding.t_cat_0"]).abs().max())
+    assert moved > 1e-3
+    assert abs(s_dist["final_auc"] - s_local["final_auc"]) < 1e-4
+
+
+def test_cli_run_writes_all_outputs(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recsys",
+            "train",
+            "--steps",
+            "20",
+            "--trainers",
+            "2",
+            "--batch-size",
+            "128",
+            "--rows-per-table",
+            "1000",
+            "--embedding-dim",
+            "8",
+            "--eval-every",
+            "10",
+            "--eval-samples",
+            "2048",
+            "--log-every",
+            "5",
+            "--shards",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "final AUC" in proc.stdout and str(out) in proc.stdout
+    cfg = tomllib.loads((out / "config.toml").read_text())
+    assert cfg["train"]["steps"] == 20 and cfg["embeddings"]["shards"] == 2 and cfg["train"]["trainers"] == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [5, 10, 15, 20]
+    assert [r["step"] for r in records if "auc" in r] == [10, 20]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in (
+        "steps_completed",
+        "samples_trained",
+        "wall_seconds",
+        "throughput_samples_per_s",
+        "final_auc",
+        "final_logloss",
+        "ceiling_auc",
+        "failures",
+        "embedding_digest",
+    ):
+        assert key in summary, key
+    assert summary["steps_completed"] == 20 and summary["samples_trained"] == 20 * 128
+    assert summary["failures"] == [] and len(summary["embedding_digest"]) == 64
+    assert 0.5 < summary["ceiling_auc"] < 1 and 0 < summary["final_auc"] < 1
+    assert (out / "plots" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "7", "--trainers", "2"], "batch_size=7: must be a multiple of trainers=2"),
+        (["--optimizer", "adam"], "optimizer='adam': must be sgd or adagrad"),
+        (["--data", "criteo-kaggle:/nonexistent/train.txt"], "path '/nonexistent/train.txt' does not exist"),
+        (["--steps", "ten"], "--steps 'ten': not a valid int"),
+        (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
+    ],
+)
+def test_bad_config_exits_with_one_line_and_no_traceback(tmp_path, flags, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "train", "--out", str(tmp_path / "r"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_toml_config_round_trip_and_flag_override(tmp_path):
+    cfg = small_config(tmp_path)
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert RunConfig.from_toml(path) == cfg
+    args = build_parser().parse_args(["train", "--config", str(path), "--lr", "0.5", "--no-prefetch"])
+    got = resolve(args)
+    assert got.optim.lr == 0.5 and got.embeddings.prefetch is False and got.train.steps == 30
+    path.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(ConfigError, match=r"c.toml: unknown field\(s\) \['stepz'\] in \[train\]"):
+        RunConfig.from_toml(path)
