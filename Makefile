@@ -2,13 +2,13 @@
 PY := .venv/bin/python
 TRAIN_ARGS ?=
 
-.PHONY: setup train test lint bench-store clean
+.PHONY: setup train test lint bench-store bench-data bench-throughput clean
 
 setup:
 	@bash scripts/setup.sh
 
 train: setup
-	$(PY) scripts/bench_store.py $(TRAIN_ARGS)
+	$(PY) -m recsys train --out runs/main $(TRAIN_ARGS)
 
 test: setup
 	$(PY) -m ruff check .
@@ -21,6 +21,12 @@ lint: setup
 
 bench-store: setup
 	$(PY) scripts/bench_store.py
+
+bench-data: setup
+	$(PY) scripts/bench_data.py
+
+bench-throughput: setup
+	$(PY) scripts/bench_throughput.py
 
 clean:
 	rm -rf .venv runs

@@ -7,6 +7,7 @@ trainer runs ``worker_main``; with one trainer and no launcher, ``train`` runs i
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 
@@ -27,6 +28,9 @@ from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
 
 EVAL_BATCH = 4096
+# torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
+# warning on every process. It says nothing about this run.
+logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
