@@ -62,6 +62,140 @@ class _Shard:
     stalled: bool = False
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """What it takes to (re)start one local shard on its port, from any process."""
+
+    index: int
+    port: int
+    workdir: str
+    binary: str
+    host: str = "127.0.0.1"
+    password: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    maxmemory: str | None = None
+
+    @property
+    def rdb_path(self) -> Path:
+        """Where the shard writes BGSAVE snapshots and what it loads at start."""
+        return Path(self.workdir) / "dump.rdb"
+
+    @property
+    def pidfile(self) -> Path:
+        return Path(self.workdir) / "redis.pid"
+
+
+def write_shard_config(spec: ShardSpec) -> Path:
+    if spec.tls_cert_file:  # TLS only: the plain port is closed
+        ports = ["port 0", f"tls-port {spec.port}", f"tls-cert-file {spec.tls_cert_file}"]
+        ports += [f"tls-key-file {spec.tls_key_file}", f"tls-ca-cert-file {spec.tls_cert_file}", "tls-auth-clients no"]
+    else:
+        ports = [f"port {spec.port}"]
+    lines = ports + [
+        f"bind {spec.host}",
+        "protected-mode yes",
+        'save ""',
+        "appendonly no",
+        f"dir {spec.workdir}",
+        "dbfilename dump.rdb",
+        "daemonize no",
+        f"logfile {Path(spec.workdir) / 'redis.log'}",
+        "lua-time-limit 60000",
+        "stop-writes-on-bgsave-error no",
+    ]
+    if spec.password:
+        lines.append(f"requirepass {spec.password}")
+    if spec.maxmemory:
+        lines.append(f"maxmemory {spec.maxmemory}")
+    path = Path(spec.workdir) / "redis.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the password
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _log_tail(spec: ShardSpec) -> str:
+    try:
+        return (Path(spec.workdir) / "redis.log").read_text().strip().splitlines()[-1]
+    except (OSError, IndexError):
+        return "(no log)"
+
+
+def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tuple[bool, str]:
+    """Until the server answers PING (after loading any RDB), it exits, or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    tls = dict(ssl=True, ssl_ca_certs=spec.tls_cert_file) if spec.tls_cert_file else {}
+    client = redis.Redis(
+        host=spec.host, port=spec.port, password=spec.password, socket_timeout=1.0, socket_connect_timeout=1.0, **tls
+    )
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False, f"exited with {proc.returncode}: {_log_tail(spec)}"
+            try:
+                if client.ping():
+                    return True, ""
+            except redis.RedisError:  # connection refused, or LOADING while the RDB loads
+                time.sleep(0.02)
+        return False, f"no PING answer within {timeout_s}s"
+    finally:
+        client.close()
+
+
+def spawn_shard(spec: ShardSpec, *, die_with_parent: bool, timeout_s: float = 30.0) -> subprocess.Popen:
+    """Start ``redis-server`` for ``spec`` and wait until it serves; it loads ``spec.rdb_path`` if present.
+
+    ``die_with_parent=False`` starts it in its own session so that it outlives the calling
+    process (a replacement started by a trainer); its pid goes to ``spec.pidfile`` so the
+    ``LocalShards`` that owns the folder stops it at the end.
+    """
+    conf = write_shard_config(spec)
+    proc = subprocess.Popen(
+        [spec.binary, str(conf)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent if die_with_parent else None,
+        start_new_session=not die_with_parent,
+    )
+    spec.pidfile.write_text(str(proc.pid))
+    ok, why = wait_ready(spec, proc, timeout_s)
+    if not ok:
+        _stop_process(proc)
+        raise LauncherError(f"shard {spec.index} on {spec.host}:{spec.port} did not start: {why}")
+    return proc
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _kill_pidfile(spec: ShardSpec, known_pid: int | None) -> None:
+    """Stop a replacement that another process started for this shard (it is not our child)."""
+    try:
+        pid = int(spec.pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    if pid == known_pid:
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"redis" not in f.read():
+                return  # the pid was reused by something else
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
+
+
 class LocalShards:
     """``num_shards`` local Redis servers. Use as a context manager.
 
@@ -94,6 +228,7 @@ class LocalShards:
         if (tls_cert_file is None) != (tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         self.tls = (tls_cert_file, tls_key_file) if tls_cert_file else None
+        self.tls_files = (tls_cert_file, tls_key_file)
         self._root: Path | None = None
         self._shards: list[_Shard] = []
 
@@ -185,97 +320,43 @@ class LocalShards:
         self._terminate(shard)
         self._spawn(shard, new_port=False)
 
-    # -- internals ----------------------------------------------------------------------
-    def _config(self, shard: _Shard) -> Path:
-        if self.tls:  # TLS only: the plain port is closed
-            ports = ["port 0", f"tls-port {shard.port}", f"tls-cert-file {self.tls[0]}"]
-            ports += [f"tls-key-file {self.tls[1]}", f"tls-ca-cert-file {self.tls[0]}", "tls-auth-clients no"]
-        else:
-            ports = [f"port {shard.port}"]
-        lines = ports + [
-            f"bind {self.host}",
-            "protected-mode yes",
-            'save ""',
-            "appendonly no",
-            f"dir {shard.workdir}",
-            "daemonize no",
-            f"logfile {shard.workdir / 'redis.log'}",
-            "lua-time-limit 60000",
-        ]
-        if self.password:
-            lines.append(f"requirepass {self.password}")
-        if self.maxmemory:
-            lines.append(f"maxmemory {self.maxmemory}")
-        path = shard.workdir / "redis.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the password
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return path
+    def spec(self, i: int) -> ShardSpec:
+        shard = self._shards[i]
+        return ShardSpec(
+            index=i,
+            port=shard.port,
+            workdir=str(shard.workdir),
+            binary=self.binary,
+            host=self.host,
+            password=self.password,
+            tls_cert_file=self.tls_files[0],
+            tls_key_file=self.tls_files[1],
+            maxmemory=self.maxmemory,
+        )
 
+    @property
+    def specs(self) -> list[ShardSpec]:
+        return [self.spec(i) for i in range(len(self._shards))]
+
+    # -- internals ----------------------------------------------------------------------
     def _spawn(self, shard: _Shard, new_port: bool) -> None:
         attempts = 5 if new_port else 1
-        last = ""
+        last: Exception | None = None
         for _ in range(attempts):
             if new_port:
                 shard.port = free_port(self.host)
-            conf = self._config(shard)
-            shard.proc = subprocess.Popen(
-                [self.binary, str(conf)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
-            ok, last = self._wait_ready(shard)
-            if ok:
+            try:
+                shard.proc = spawn_shard(self.spec(shard.index), die_with_parent=True, timeout_s=self.startup_timeout_s)
                 shard.stalled = False
                 return
-            self._terminate(shard)
-        raise LauncherError(f"shard {shard.index} on {self.host}:{shard.port} did not start: {last}")
+            except LauncherError as e:  # e.g. the port was taken meanwhile
+                last = e
+        raise last  # type: ignore[misc]
 
-    def _wait_ready(self, shard: _Shard) -> tuple[bool, str]:
-        deadline = time.monotonic() + self.startup_timeout_s
-        tls = dict(ssl=True, ssl_ca_certs=self.tls[0]) if self.tls else {}
-        client = redis.Redis(
-            host=self.host,
-            port=shard.port,
-            password=self.password,
-            socket_timeout=1.0,
-            socket_connect_timeout=1.0,
-            **tls,
-        )
-        try:
-            while time.monotonic() < deadline:
-                if shard.proc is not None and shard.proc.poll() is not None:
-                    return False, f"exited with {shard.proc.returncode}: {self._log_tail(shard)}"
-                try:
-                    if client.ping():
-                        return True, ""
-                except redis.RedisError:
-                    time.sleep(0.02)
-            return False, f"no PING answer within {self.startup_timeout_s}s"
-        finally:
-            client.close()
-
-    def _log_tail(self, shard: _Shard) -> str:
-        try:
-            return (shard.workdir / "redis.log").read_text().strip().splitlines()[-1]
-        except (OSError, IndexError):
-            return "(no log)"
-
-    @staticmethod
-    def _terminate(shard: _Shard) -> None:
-        proc = shard.proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+    def _terminate(self, shard: _Shard) -> None:
+        _kill_pidfile(self.spec(shard.index), shard.proc.pid if shard.proc is not None else None)
+        if shard.proc is not None:
+            _stop_process(shard.proc)
         shard.proc = None
         shard.stalled = False
 

@@ -101,6 +101,10 @@ class RedisStore(StoreBase):
     def prefix(self, table_index: int) -> bytes:
         return f"{self.namespace}:{table_index}:".encode()
 
+    def meta_key(self, name: str) -> bytes:
+        """A per-shard bookkeeping key of this namespace (not a row: rows have 8 binary id bytes)."""
+        return f"{self.namespace}:meta:{name}".encode()
+
     def key(self, table_index: int, row: int) -> bytes:
         """The Redis key of one row."""
         return self.prefix(table_index) + int(row).to_bytes(8, "big")
@@ -173,7 +177,7 @@ class RedisStore(StoreBase):
                 out[t][1][pos] = missing
         return out
 
-    def _store(self, requests):
+    def _store(self, requests, step=None, undo=None):
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, (ids, _) in requests.items():
             for s, pos in enumerate(self.shard_map.split(t, ids)):
@@ -182,14 +186,79 @@ class RedisStore(StoreBase):
 
         def push_to(s: int, groups):
             args = [(self.prefix(t), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
+            extra = []
+            if step is not None:
+                extra.append([b"SET", self.meta_key("applied"), b"%d" % step])
+                if undo is not None:
+                    blob = encode_groups(step, [(t, requests[t][0][pos], undo[t][pos]) for t, pos in groups])
+                    extra.append([b"SET", self.meta_key("undo"), blob])
 
             def run():
                 with self._locks[s]:
-                    return self._wires[s].set_rows(args)
+                    return self._wires[s].set_rows(args, extra)
 
             return run
 
         self._on_shards({s: push_to(s, g) for s, g in plan.items()})
+
+    # -- per-shard operations (recovery) ----------------------------------------------------
+    def client(self, shard: int) -> redis.Redis:
+        return self._clients[shard]
+
+    def endpoint(self, shard: int) -> str:
+        return self.endpoints[shard]
+
+    def call(self, shard: int, fn: Callable[[redis.Redis], T]) -> T:
+        """Run ``fn(client)`` on one shard with the store's error mapping."""
+        return self._call(shard, lambda: fn(self._clients[shard]))
+
+    def applied_steps(self) -> list[int | None]:
+        """Per shard: the last step whose update it applied (None: never)."""
+
+        def get(s: int):
+            def run():
+                with self._locks[s]:
+                    v = self._wires[s].get(self.meta_key("applied"))
+                return None if v is None else int(v)
+
+            return run
+
+        res = self._on_shards({s: get(s) for s in range(self.num_shards)})
+        return [res[s] for s in range(self.num_shards)]
+
+    def write_shard(self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None) -> int:
+        """Write rows (table index, ids, rows [n, width]) onto one shard, with its applied-step marker."""
+        args = [(self.prefix(t), ids, rows) for t, ids, rows in groups]
+        extra = [[b"SET", self.meta_key("applied"), b"%d" % step]] if step is not None else []
+
+        def run():
+            with self._locks[shard]:
+                return self._wires[shard].set_rows(args, extra)
+
+        return self._call(shard, run)
+
+    def rollback(self, shard: int, to_step: int) -> int:
+        """Undo the one step a shard applied after ``to_step`` (its undo record); returns rows restored."""
+        applied = self.applied_steps()[shard]
+        if applied is None or applied <= to_step:
+            return 0
+        blob = self._call(shard, lambda: self._wires[shard].get(self.meta_key("undo")))
+        if blob is None:
+            raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
+        undo_step, groups = decode_groups(blob)
+        if undo_step != applied or applied != to_step + 1:
+            raise ShardDataError(
+                f"shard {shard} at {self.endpoints[shard]}: at step {applied}, cannot roll back to {to_step} "
+                f"(undo record is for step {undo_step}; one step can be undone)"
+            )
+        args = [(self.prefix(t), ids, rows) for t, ids, rows in groups]
+        extra = [[b"SET", self.meta_key("applied"), b"%d" % to_step], [b"SET", self.meta_key("undo"), b""]]
+
+        def run():
+            with self._locks[shard]:
+                return self._wires[shard].set_rows(args, extra)
+
+        return self._call(shard, run)
 
     # -- maintenance ---------------------------------------------------------------------
     def clear(self) -> int:
@@ -212,6 +281,30 @@ class RedisStore(StoreBase):
             w.close()
         for p in self._pools:
             p.disconnect()
+
+
+def encode_groups(step: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> bytes:
+    """step, then per group: table, n, width, ids [n] u64, rows [n, width] f32 (little-endian)."""
+    out = [np.array([step, len(groups)], "<u8").tobytes()]
+    for t, ids, rows in groups:
+        out.append(np.array([t, len(ids), rows.shape[1]], "<u4").tobytes())
+        out.append(np.ascontiguousarray(ids, "<u8").tobytes())
+        out.append(np.ascontiguousarray(rows, "<f4").tobytes())
+    return b"".join(out)
+
+
+def decode_groups(blob: bytes) -> tuple[int, list[tuple[int, np.ndarray, np.ndarray]]]:
+    step, ngroups = np.frombuffer(blob, "<u8", 2, 0).tolist()
+    pos, groups = 16, []
+    for _ in range(ngroups):
+        t, n, width = np.frombuffer(blob, "<u4", 3, pos).tolist()
+        pos += 12
+        ids = np.frombuffer(blob, "<u8", n, pos).astype(np.int64)
+        pos += 8 * n
+        rows = np.frombuffer(blob, "<f4", n * width, pos).reshape(n, width).copy()
+        pos += 4 * n * width
+        groups.append((t, ids, rows))
+    return int(step), groups
 
 
 def _chunks(it, n):

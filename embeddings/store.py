@@ -66,8 +66,18 @@ class StoreBase:
         """-> table index: ([n, width] float32 rows, [n] bool missing). Missing rows may hold anything."""
         raise NotImplementedError
 
-    def _store(self, requests: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        """table index: (ids, [n, width] float32 rows) -> written."""
+    def _store(
+        self,
+        requests: dict[int, tuple[np.ndarray, np.ndarray]],
+        step: int | None = None,
+        undo: dict[int, np.ndarray] | None = None,
+    ) -> None:
+        """table index: (ids, [n, width] float32 rows) -> written.
+
+        With ``step``, each shard also records that it applied ``step`` and keeps the rows'
+        previous values (``undo``, table index -> [n, width]) for a rollback of that one step,
+        atomically with the rows.
+        """
         raise NotImplementedError
 
     # -- helpers ---------------------------------------------------------------------------
@@ -124,7 +134,8 @@ class StoreBase:
     def update(self, table: str, ids, grads) -> None:
         self.update_many({table: (ids, grads)})
 
-    def update_many(self, requests) -> None:
+    def update_many(self, requests, step: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Apply the optimizer; returns table -> (unique ids, new rows [n, dim + state])."""
         uniq: IdsByTable = {}
         summed: dict[int, torch.Tensor] = {}
         for name, (ids, grads) in requests.items():
@@ -139,7 +150,8 @@ class StoreBase:
             uniq[t], summed[t] = u, acc
         current = self._fetch_filled(uniq)
         new = {t: (uniq[t], self.optimizer.apply(torch.from_numpy(current[t]), summed[t]).numpy()) for t in uniq}
-        self._store(new)
+        self._store(new, step=step, undo=current if step is not None else None)
+        return {self.tables.specs[t].name: v for t, v in new.items()}
 
     def write_rows(self, table: str, ids, rows) -> None:
         t, arr = self._ids(table, ids)
@@ -162,6 +174,7 @@ class InProcessStore(StoreBase):
     def __init__(self, tables: TableSet, optimizer: RowOptimizer, seed: int = 0) -> None:
         super().__init__(tables, optimizer, seed)
         self._rows: list[dict[int, np.ndarray]] = [{} for _ in tables]
+        self.applied_step: int | None = None
 
     def _fetch(self, requests):
         out = {}
@@ -177,7 +190,9 @@ class InProcessStore(StoreBase):
             out[t] = (rows, missing)
         return out
 
-    def _store(self, requests):
+    def _store(self, requests, step=None, undo=None):
+        if step is not None:
+            self.applied_step = step
         for t, (ids, rows) in requests.items():
             held = self._rows[t]
             for r, v in zip(ids.tolist(), rows):

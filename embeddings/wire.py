@@ -56,6 +56,14 @@ def value_args(rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def encode_command(args: list[bytes]) -> bytes:
+    """A RESP command from a few byte-string arguments."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out += [b"$%d\r\n" % len(a), a, b"\r\n"]
+    return b"".join(out)
+
+
 def _command(name: bytes, num_args: int, args: np.ndarray) -> bytes:
     return b"*%d\r\n$%d\r\n%s\r\n" % (num_args + 1, len(name), name) + args.tobytes()
 
@@ -210,11 +218,29 @@ class RowConnection:
             out.append((rows, missing))
         return out
 
-    def set_rows(self, groups: list[tuple[bytes, np.ndarray, np.ndarray]]) -> int:
-        """groups: (key prefix, ids [n], rows [n, dim] float32). Returns rows written."""
-        return self._run(lambda: self._set_rows(groups))
+    def set_rows(self, groups: list[tuple[bytes, np.ndarray, np.ndarray]], extra: list[list[bytes]] = ()) -> int:
+        """groups: (key prefix, ids [n], rows [n, dim] float32). Returns rows written.
 
-    def _set_rows(self, groups):
+        With ``extra`` (commands answering +OK, e.g. ``[b"SET", key, value]``) everything runs in
+        one MULTI/EXEC transaction: the rows and the extra keys change together or not at all.
+        """
+        return self._run(lambda: self._set_rows(groups, list(extra)))
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._run(lambda: self._get(key))
+
+    def _get(self, key: bytes) -> bytes | None:
+        self._send(encode_command([b"GET", key]))
+        line = self._line()
+        if line == b"$-1":
+            return None
+        if not line.startswith(b"$"):
+            self._fail(line + b"\r\n")
+        n = int(line[1:])
+        body = self._take(n + 2)
+        return body[:n]
+
+    def _set_rows(self, groups, extra):
         parts, num_cmds, total = [], 0, 0
         for prefix, ids, rows in groups:
             args = np.concatenate([key_args(prefix, ids), value_args(rows)], axis=1)
@@ -223,6 +249,12 @@ class RowConnection:
                 parts.append(_command(b"MSET", 2 * len(a), a))
                 num_cmds += 1
             total += len(ids)
-        self._send(b"".join(parts))
-        self._expect(b"+OK\r\n" * num_cmds)
+        if not extra:
+            self._send(b"".join(parts))
+            self._expect(b"+OK\r\n" * num_cmds)
+            return total
+        parts += [encode_command(c) for c in extra]
+        num_cmds += len(extra)
+        self._send(b"*1\r\n$5\r\nMULTI\r\n" + b"".join(parts) + b"*1\r\n$4\r\nEXEC\r\n")
+        self._expect(b"+OK\r\n" + b"+QUEUED\r\n" * num_cmds + b"*%d\r\n" % num_cmds + b"+OK\r\n" * num_cmds)
         return total

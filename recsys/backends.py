@@ -11,16 +11,44 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from embeddings import RedisStore
 from embeddings.prefetch import Prefetcher
 from recsys.config import RunConfig
 from recsys.model import local_embedding_optimizer, local_model, row_optimizer, store_model, table_set
-from recsys.sparse import aggregate
+from recsys.sparse import StepUpdate, aggregate
 
 DIGEST_BLOCK = 65536
+
+
+class StagedRows:
+    """Rows pulled for the batch about to run; forward takes them instead of pulling again."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self._staged: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+
+    @property
+    def tables(self):
+        return self.source.tables
+
+    def stage(self, requests: dict[str, np.ndarray]) -> None:
+        self._staged = None
+        self._staged = (requests, self.source.pull_many(requests))
+
+    def clear(self) -> None:
+        self._staged = None
+
+    def pull_many(self, requests: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        staged, self._staged = self._staged, None
+        if (
+            staged is not None
+            and staged[0].keys() == requests.keys()
+            and all(np.array_equal(staged[0][t], requests[t]) for t in requests)
+        ):
+            return staged[1]
+        return self.source.pull_many(requests)
 
 
 class StoreBackend:
@@ -37,15 +65,20 @@ class StoreBackend:
             timeout_s=cfg.embeddings.timeout_s,
         )
         self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch else None
-        self.model, self.ebc = store_model(cfg, self.store, row_source=self.prefetcher)
+        self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
+        self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)
         self.names = self.store.tables.names
 
     def prefetch(self, batch: Batch | None) -> None:
         if self.prefetcher is not None and batch is not None:
             self.prefetcher.prefetch(self.ebc.unique_ids(batch.sparse_features))
 
-    def step(self) -> None:
-        """Aggregate this step's row gradients over trainers; apply the rows of owned shards."""
+    def stage(self, batch: Batch) -> None:
+        """Pull this batch's rows now (a shard failure surfaces here, before any compute)."""
+        self.stager.stage(self.ebc.unique_ids(batch.sparse_features))
+
+    def gradients(self) -> StepUpdate:
+        """This step's row gradients aggregated over trainers (a collective)."""
         update = aggregate(
             self.ebc.pop_sparse_grads(),
             self.names,
@@ -54,12 +87,18 @@ class StoreBackend:
             self.world_size,
             self.rank,
         )
-        if update.owned:
-            self.store.update_many(update.owned)
         if self.prefetcher is not None:
             self.prefetcher.invalidate(update.updated)
-        if self.world_size > 1:
-            dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+        return update
+
+    def discard_gradients(self) -> None:
+        self.ebc.pop_sparse_grads()
+
+    def drain(self) -> None:
+        """Forget prefetched and staged rows (after a shard was restored)."""
+        self.stager.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.drain()
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -68,7 +107,7 @@ class StoreBackend:
         try:
             yield
         finally:
-            self.ebc.row_source = self.prefetcher if self.prefetcher is not None else self.store
+            self.ebc.row_source = self.stager
 
     def table_blocks(self):
         for spec in self.store.tables:
@@ -113,9 +152,21 @@ class LocalBackend:
     def prefetch(self, batch: Batch | None) -> None:
         pass
 
-    def step(self) -> None:
+    def stage(self, batch: Batch) -> None:
+        pass
+
+    def gradients(self) -> None:
+        return None
+
+    def apply_local(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad()
+
+    def drain(self) -> None:
+        pass
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
+from recovery.errors import RecoveryError
 from recsys.config import ConfigError, RunConfig
 
 # flag -> (section, field, type, help)
@@ -55,6 +56,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
     "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),
     "--out": ("train", "out", str, "run directory"),
+    "--recovery": ("recovery", "recovery", str, "shard failure strategy: partial (CPR) | log | full"),
+    "--checkpoint-every": ("recovery", "checkpoint_every", int, "checkpoint every K steps (0: never)"),
+    "--checkpoint-dir": ("recovery", "checkpoint_dir", str, "checkpoint folder (default OUT/checkpoints)"),
+    "--keep-checkpoints": ("recovery", "keep_checkpoints", int, "checkpoints kept"),
+    "--log-dir": ("recovery", "log_dir", str, "per-shard update logs (default OUT/logs with --recovery log)"),
+    "--log-fsync": ("recovery", "log_fsync", str, "log durability: always | every:N (ms) | none"),
+    "--max-restarts": ("recovery", "max_restarts", int, "trainer group restarts after a trainer dies"),
 }
 
 
@@ -66,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (_, _, typ, help_) in FLAGS.items():
         tr.add_argument(flag, type=str, default=None, help=f"{help_} ({typ.__name__})")
     tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows")
+    tr.add_argument(
+        "--inject",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="inject a failure (repeatable): shard:K@step=N | trainer:R@step=N | stall:K@step=N:SECONDS | "
+        "corrupt-checkpoint:latest[@step=N]",
+    )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     return ap
 
@@ -81,6 +97,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
             sections[section][field] = typ(raw)
         except ValueError:
             raise ConfigError(f"{flag} {raw!r}: not a valid {typ.__name__}") from None
+    if args.inject:
+        sections["recovery"]["inject"] = list(args.inject)
     if args.no_prefetch:
         sections["embeddings"]["prefetch"] = False
     if args.save_model:
@@ -102,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(args)
         summary = run(cfg, under_launcher="TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ)
-    except (ConfigError, DataError, EmbeddingStoreError, LauncherError) as e:
+    except (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainerFailed as e:

@@ -162,14 +162,94 @@ class TrainConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    recovery: Literal["partial", "full", "log"] = "partial"
+    """What a failed embedding shard costs: partial (CPR: restore it alone from its checkpoint,
+    count lost updates), log (as partial, then replay its update log: nothing lost), full (roll
+    everything back to the checkpoint and recompute)."""
+    checkpoint_every: int = 0
+    """Checkpoint every K steps (0: never); a checkpoint is also taken at step 0 when on."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (default: OUT/checkpoints)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is verified."""
+    log_dir: str = ""
+    """Per-shard update logs (default: OUT/logs when recovery=log, else off)."""
+    log_fsync: str = "always"
+    """Log durability: always (fsync each step), every:N (at most every N ms), none."""
+    inject: list[str] = field(default_factory=list)
+    """Failures to inject: shard:K@step=N, trainer:R@step=N, stall:K@step=N:SECONDS, corrupt-checkpoint:latest[@step=N]."""
+    max_restarts: int = 0
+    """Restarts of the trainer group after a trainer dies (torch elastic); > 0 saves dense state every step."""
+
+    def __post_init__(self) -> None:
+        from recovery.inject import parse_injection
+        from recovery.log import parse_fsync_policy
+
+        _check(self.recovery in ("partial", "full", "log"), "recovery", self.recovery, "must be partial, full or log")
+        _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        try:
+            parse_fsync_policy(self.log_fsync)
+        except ValueError as e:
+            raise ConfigError(f"log_fsync={self.log_fsync!r}: {e}") from None
+        try:
+            self.injections = [parse_injection(s) for s in self.inject]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.recovery == "full":
+            _check(self.checkpoint_every > 0, "recovery", self.recovery, "full recovery needs --checkpoint-every K > 0")
+        for inj in self.injections:
+            if inj.kind == "trainer":
+                _check(self.max_restarts > 0, "inject", str(inj), "a trainer failure needs --max-restarts >= 1")
+            if inj.kind == "corrupt-checkpoint":
+                _check(self.checkpoint_every > 0, "inject", str(inj), "needs --checkpoint-every K > 0")
+
+
+@dataclass
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
+        rc = self.recovery
+        for inj in rc.injections:
+            if inj.kind in ("shard", "stall"):
+                _check(
+                    self.embeddings.embeddings == "redis" and self.embeddings.redis == "local",
+                    "inject",
+                    str(inj),
+                    "shard failures act on local shards (--embeddings redis --redis local)",
+                )
+                _check(
+                    inj.target < self.embeddings.shards,
+                    "inject",
+                    str(inj),
+                    f"shard {inj.target} does not exist (shards={self.embeddings.shards})",
+                )
+            if inj.kind == "trainer":
+                _check(
+                    inj.target < self.train.trainers,
+                    "inject",
+                    str(inj),
+                    f"trainer {inj.target} does not exist (trainers={self.train.trainers})",
+                )
+            if inj.step is not None:
+                _check(
+                    1 <= inj.step <= self.train.steps, "inject", str(inj), f"step must be in [1, {self.train.steps}]"
+                )
+        if rc.checkpoint_every and self.embeddings.embeddings == "redis":
+            _check(
+                self.embeddings.redis == "local",
+                "checkpoint_every",
+                rc.checkpoint_every,
+                "shard snapshots need local shards (--redis local)",
+            )
         if self.embeddings.embeddings == "local":
             _check(
                 self.train.trainers == 1,
@@ -180,6 +260,16 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.recovery.checkpoint_dir or str(Path(self.train.out) / "checkpoints")
+
+    @property
+    def log_dir(self) -> str:
+        if self.recovery.log_dir:
+            return self.recovery.log_dir
+        return str(Path(self.train.out) / "logs") if self.recovery.recovery == "log" else ""
 
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:
@@ -194,6 +284,7 @@ class RunConfig:
                 "embeddings": EmbeddingConfig,
                 "optim": OptimConfig,
                 "train": TrainConfig,
+                "recovery": RecoveryConfig,
             }[name]
             known = {f.name for f in dataclasses.fields(section_cls)}
             bad = set(values) - known

@@ -9,6 +9,7 @@ trainer processes are stopped on every exit path, Ctrl-C included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import uuid
 
@@ -25,16 +26,17 @@ class TrainerFailed(RuntimeError):
 
 @contextlib.contextmanager
 def shard_urls(cfg: RunConfig):
+    """-> (urls, specs of local shards or [])"""
     if cfg.embeddings.embeddings == "local":
-        yield []
+        yield [], []
     elif cfg.embeddings.redis == "local":
         with LocalShards(cfg.embeddings.shards) as shards:
-            yield shards.urls
+            yield shards.urls, shards.specs
     else:
-        yield cfg.embeddings.urls
+        yield cfg.embeddings.urls, []
 
 
-def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str) -> dict | None:
+def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -47,12 +49,14 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str) -> dict | N
         run_id=namespace,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=cfg.recovery.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
     try:
-        results = elastic_launch(lc, worker_main)(cfg.to_dict(), urls, namespace)
+        results = elastic_launch(lc, worker_main)(
+            cfg.to_dict(), urls, namespace, [dataclasses.asdict(s) for s in specs]
+        )
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         msg = failure.message
@@ -70,7 +74,7 @@ def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
         return worker_main(cfg.to_dict(), cfg.embeddings.urls, namespace)
     namespace = cfg.embeddings.namespace or f"run-{uuid.uuid4().hex[:10]}"
     prepare(cfg)
-    with shard_urls(cfg) as urls:
+    with shard_urls(cfg) as (urls, specs):
         if cfg.train.trainers == 1:
-            return train(cfg, urls, namespace)
-        return launch_trainers(cfg, urls, namespace)
+            return train(cfg, urls, namespace, specs=specs)
+        return launch_trainers(cfg, urls, namespace, specs)

@@ -39,12 +39,16 @@ def embedding_digest(tables: Iterable[tuple[str, Iterable[np.ndarray]]]) -> str:
 class RunOutputs:
     """Writer of a run directory (rank 0 only)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, append: bool = False) -> None:
         self.dir = Path(cfg.train.out)
         (self.dir / "plots").mkdir(parents=True, exist_ok=True)
         _atomic_write(self.dir / "config.toml", cfg.to_toml())
-        self._metrics = open(self.dir / "metrics.jsonl", "w")
-        self.records: list[dict] = []
+        path = self.dir / "metrics.jsonl"
+        # a restarted trainer group continues the run's metrics
+        self.records: list[dict] = (
+            [json.loads(line) for line in path.read_text().splitlines()] if append and path.exists() else []
+        )
+        self._metrics = open(path, "a" if append else "w")
 
     def log(self, record: dict) -> None:
         self.records.append(record)

@@ -1,4 +1,11 @@
-"""The training loop: load, step, evaluate, write outputs. One trainer process runs ``train``.
+"""The training loop: load, step, checkpoint, evaluate. One trainer process runs ``train``.
+
+A step has two commit points. (1) Stage: the batch's rows are pulled; a failed shard is
+recovered and the pull retried before anything is computed. (2) Update: after forward/backward,
+the row gradients are aggregated over trainers and each shard's single writer applies its rows;
+a shard that failed is recovered and gets the step's rows again. Only then does the dense
+optimizer step, the dense state get saved (for trainer restarts) and, on schedule, a checkpoint
+get taken. Under ``full`` recovery a failure rolls everything back to the checkpoint instead.
 
 Under torch's elastic launcher (``python -m recsys train --trainers W`` or ``torchrun``) every
 trainer runs ``worker_main``; with one trainer and no launcher, ``train`` runs in-process.
@@ -7,19 +14,29 @@ trainer runs ``worker_main``; with one trainer and no launcher, ``train`` runs i
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from data.batches import BatchReader, make_batch
-from embeddings.store import EmbeddingStore  # noqa: F401  (type reference in docs)
+from embeddings.launcher import ShardSpec
+from recovery.accounting import pls
+from recovery.checkpoint import Checkpointer
+from recovery.dense import DenseSaver, NoDenseSaver
+from recovery.inject import Injector
+from recovery.log import ShardLog
+from recovery.manager import Collective, NoRecovery, RecoveryManager
 from recsys.backends import LocalBackend, StoreBackend
 from recsys.config import RunConfig
 from recsys.datasets import sources
@@ -31,6 +48,7 @@ EVAL_BATCH = 4096
 # torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
 # warning on every process. It says nothing about this run.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
 
 
 def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
@@ -49,9 +67,70 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
     return evaluate_scores(np.concatenate(logits), np.concatenate(labels))
 
 
-def train(cfg: RunConfig, urls: list[str], namespace: str, world_size: int = 1, rank: int = 0) -> dict | None:
+def collective(world_size: int) -> Collective:
+    if world_size == 1:
+        return Collective()
+
+    def max_flags(a: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(a.astype(np.int64))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.numpy()
+
+    def broadcast_int(v: int) -> int:
+        t = torch.tensor([v], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    return Collective(world_size, dist.barrier, max_flags, broadcast_int)
+
+
+def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collective, rank: int, restart_count: int):
+    """Recovery manager, checkpointer and injector of one trainer (no-op objects where off)."""
+    if not isinstance(backend, StoreBackend):
+        return NoRecovery(), None
+    rc, world = cfg.recovery, coll.world_size
+    injector = Injector(rc.injections, rank, [s.pidfile for s in specs], Path(cfg.train.out), restart_count)
+    logs = {}
+    if cfg.log_dir:
+        logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(len(specs)) if s % world == rank}
+    ckpt = None
+    if rc.checkpoint_every:
+
+        def on_saved(c) -> None:  # rank 0, after the manifest: logs before c are covered
+            if cfg.log_dir:
+                for s in range(len(specs)):
+                    ShardLog(cfg.log_dir, s).drop_before(c.step)
+
+        ckpt = Checkpointer(
+            cfg.checkpoint_dir, rc.keep_checkpoints, specs, backend.store.client, rank, coll.barrier, on_saved
+        )
+    manager = RecoveryManager(
+        strategy=rc.recovery,
+        store=backend.store,
+        shards=specs,
+        rank=rank,
+        batch_size=cfg.train.batch_size,
+        collective=coll,
+        checkpointer=ckpt,
+        logs=logs,
+        injector=injector,
+        drain=backend.drain,
+    )
+    return manager, injector
+
+
+def train(
+    cfg: RunConfig,
+    urls: list[str],
+    namespace: str,
+    world_size: int = 1,
+    rank: int = 0,
+    specs: list[ShardSpec] | None = None,
+) -> dict | None:
     """Train ``cfg.train.steps`` steps; rank 0 writes the run outputs and returns the summary."""
     t_setup = time.perf_counter()
+    specs = specs or []
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     backend = (
         LocalBackend(cfg)
         if cfg.embeddings.embeddings == "local"
@@ -62,28 +141,144 @@ def train(cfg: RunConfig, urls: list[str], namespace: str, world_size: int = 1, 
     opt = dense_optimizer(cfg, dense_params(plain))
     data = sources(cfg)
     reader = BatchReader(data.train, cfg.train.batch_size, world_size=world_size, rank=rank, epochs=1 << 30)
-    out = RunOutputs(cfg) if rank == 0 else NullOutputs()
-    steps, G = cfg.train.steps, cfg.train.batch_size
+    coll = collective(world_size)
+    recovery, injector = build_recovery(cfg, backend, specs, coll, rank, restart_count)
+    ckpt = getattr(recovery, "checkpointer", None)
+    dense_saver = DenseSaver(cfg.checkpoint_dir, namespace) if cfg.recovery.max_restarts else NoDenseSaver()
+    steps, G, every = cfg.train.steps, cfg.train.batch_size, cfg.recovery.checkpoint_every
 
-    def maybe_eval(step: int) -> dict:
+    def dense_state() -> dict:
+        msd, osd = get_state_dict(plain, opt)
+        return {"model": {k: v for k, v in msd.items() if "embedding_bags" not in k}, "optim": osd}
+
+    def load_dense(state: dict) -> None:
+        msd, osd = get_state_dict(plain, opt)
+        msd.update(state["model"])
+        set_state_dict(plain, opt, model_state_dict=msd, optim_state_dict=state["optim"])
+
+    def checkpoint(step: int) -> None:
+        recovery.counter.mark(step)
+        meta = {"step": step, "reader": reader.state_dict(), "recovery": recovery.state(), "namespace": namespace}
+        stats = ckpt.save(step, dense_state(), meta)
+        for log in recovery.logs.values():
+            log.open_segment(step + 1)
+        out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
+
+    def roll_back(to_step: int) -> int:
+        """Full recovery: dense state, readers and logs back to checkpoint ``to_step``."""
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(cfg.checkpoint_dir) / f"step_{to_step:010d}"
+        state = dense_state()
+        dcp.load(state, checkpoint_id=str(path / "dense"))
+        load_dense(state)
+        meta = json.loads((path / "meta.json").read_text())
+        reader.load_state_dict(meta["reader"])
+        for log in recovery.logs.values():
+            log.truncate_after(to_step)
+            log.open_segment(to_step + 1)
+        return to_step + 1
+
+    # -- start: fresh, or resume after a trainer restart ------------------------------------------
+    step = 1
+    resumed = dense_saver.load()
+    out = RunOutputs(cfg, append=resumed is not None) if rank == 0 else NullOutputs()
+    if resumed is not None:
+        t_restore = time.time()
+        d = int(resumed["step"])
+        load_dense(resumed)
+        reader.load_state_dict(resumed["reader"])
+        recovery.load_state(resumed["recovery"])
+        rolled = 0
         if rank == 0:
-            return evaluate(plain, backend, data.eval, cfg.data.eval_samples)
-        return {}
+            rolled = sum(backend.store.rollback(s, d) for s in range(len(specs)))
+            if cfg.log_dir:
+                for s in range(len(specs)):
+                    ShardLog(cfg.log_dir, s).truncate_after(d)
+        coll.barrier()
+        last_ckpt = max([c for c in recovery.counter.at_step if c <= d] or [0]) if every else d
+        for log in recovery.logs.values():
+            log.open_segment(last_ckpt + 1)
+        step = d + 1
+        marker = Path(cfg.train.out) / "trainer_failure.json"
+        if rank == 0 and marker.exists():
+            info = json.loads(marker.read_text())
+            recovery.failures.append(
+                {
+                    "kind": "trainer",
+                    "target": info["rank"],
+                    "step": info["step"],
+                    "strategy": "restart",
+                    "detected_after_s": round(t_restore - info["time"], 4),
+                    "recovery_s": round(time.time() - t_restore, 4),
+                    "restored_bytes": Path(dense_saver.path).stat().st_size,
+                    "rolled_back_rows": rolled,
+                    "lost_updates": 0,
+                    "lost_samples": 0.0,
+                    "replayed_steps": info["step"] - d,
+                }
+            )
+            marker.unlink()
+    else:
+        for log in recovery.logs.values():
+            log.open_segment(1)
+        if every:
+            checkpoint(0)
 
-    bar = tqdm(total=steps, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
-    batch = next(reader)
+    bar = tqdm(total=steps, initial=step - 1, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    last_eval: dict = {}
     t0 = time.perf_counter()
-    last: dict = {}
+    batch = next(reader)
     try:
-        for step in range(1, steps + 1):
+        while step <= steps:
+            if injector is not None:
+                injector.at_step(step, lambda: recovery.latest_shard_file(0))
+            # (1) stage: this batch's rows, or recover and retry
+            recovery.guard(lambda b=batch: backend.stage(b))
+            failed = recovery.sync()
+            if failed:
+                to = recovery.recover(failed, step, "pull")
+                if to is not None:
+                    step = roll_back(to)
+                    batch = next(reader)
+                continue
             nxt = next(reader) if step < steps else None
             logits = model(batch.dense_features, batch.sparse_features).squeeze(1)
             loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
             backend.prefetch(nxt)  # the next batch's rows load while this one trains
             opt.zero_grad()
             loss.backward()
-            backend.step()
+            # (2) update: one writer per shard; a failed shard is recovered and written again
+            update = backend.gradients()
+            dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
+            rolled_to = None
+            if update is None:
+                backend.apply_local()
+            else:
+                only = None
+                while True:
+                    recovery.apply(update.owned, step, only)
+                    if injector is not None:
+                        injector.mid_step(step)
+                    failed = recovery.sync()
+                    if not failed:
+                        break
+                    rolled_to = recovery.recover(failed, step, "update")
+                    if rolled_to is not None:
+                        break
+                    only = failed
+            if rolled_to is not None:
+                step = roll_back(rolled_to)
+                batch = next(reader)
+                continue
+            if update is not None:
+                recovery.count_updates(update.updated)
             opt.step()
+            if world_size > 1:
+                dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+            dense_saver.save(step, {**dense_state(), "reader": reader.state_dict(), "recovery": recovery.state()})
+            if every and step % every == 0:
+                checkpoint(step)
             eval_now = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0 and step != steps
             if step % cfg.train.log_every == 0 or step == steps or eval_now:
                 mean_loss = loss.detach().clone()
@@ -97,16 +292,25 @@ def train(cfg: RunConfig, urls: list[str], namespace: str, world_size: int = 1, 
                     "elapsed_s": round(time.perf_counter() - t0, 3),
                 }
                 if eval_now:
-                    last = maybe_eval(step)
-                    record.update(last)
+                    if rank == 0:
+                        ok, res = recovery.guard(lambda: evaluate(plain, backend, data.eval, cfg.data.eval_samples))
+                        last_eval = res if ok else last_eval
+                        record.update(res if ok else {"eval_skipped": "shard failure"})
                     if world_size > 1:
                         dist.barrier()
                 out.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", **({"auc": f"{last['auc']:.4f}"} if last else {}))
-            bar.update(1)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", **({"auc": f"{last_eval['auc']:.4f}"} if last_eval else {})
+                )
+            bar.n = step
+            bar.refresh()
+            step += 1
             batch = nxt
         wall = time.perf_counter() - t0
         bar.close()
+        dense_saver.wait()
+        if ckpt is not None:
+            ckpt.wait()
         if world_size > 1:
             dist.barrier()
         if rank != 0:
@@ -123,11 +327,20 @@ def train(cfg: RunConfig, urls: list[str], namespace: str, world_size: int = 1, 
             "final_logloss": final["logloss"],
             "final_ne": final["ne"],
             "ceiling_auc": data.ceiling_auc,
-            "failures": [],
+            "failures": recovery.failures,
+            "pls": pls(recovery.lost, steps * G),
             "embedding_digest": embedding_digest(backend.table_blocks()),
             "embeddings": cfg.embeddings.embeddings,
             "trainers": world_size,
             "shards": len(urls) if urls else 0,
+            "recovery": cfg.recovery.recovery,
+            "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
+            "checkpoints": [
+                {"step": s.step, "pause_s": round(s.pause_s, 4), "total_s": round(s.total_s, 4), "bytes": s.bytes}
+                for s in (ckpt.history if ckpt is not None else [])
+            ],
+            "log_bytes": sum(log.bytes_written for log in recovery.logs.values()) if cfg.log_dir else 0,
+            "dense_saves": dense_saver.num_saves,
             **backend.stats(),
         }
         if cfg.train.save_model:
@@ -138,10 +351,11 @@ def train(cfg: RunConfig, urls: list[str], namespace: str, world_size: int = 1, 
         return summary
     finally:
         bar.close()
+        recovery.close()
         backend.close()
 
 
-def worker_main(cfg_dict: dict, urls: list[str], namespace: str) -> dict | None:
+def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None) -> dict | None:
     """Entry point of one trainer process under torch's elastic launcher (env: RANK, WORLD_SIZE)."""
     cfg = RunConfig.from_dict(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -150,7 +364,7 @@ def worker_main(cfg_dict: dict, urls: list[str], namespace: str) -> dict | None:
     if world_size > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     try:
-        return train(cfg, urls, namespace, world_size, rank)
+        return train(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,243 @@
+"""Checkpoints: every embedding shard as of one step, the dense state, the readers' positions.
+
+Layout: ``{dir}/step_{step:010d}/`` holding ``shard{S}.rdb`` (each shard's Redis snapshot),
+``dense/`` (``torch.distributed.checkpoint`` of model and optimizer), ``meta.json`` (step,
+readers' positions, accounting) and, written last and atomically, ``manifest.json`` with a
+SHA-256 per file. A folder without a valid manifest is not a checkpoint.
+
+Taking one at a step boundary: every shard forks a snapshot (``BGSAVE``): the training pause is
+the fork, not the copy. The dense state goes through DCP. A background thread then waits for the
+snapshots, copies them into the folder while hashing them, fsyncs, writes the manifest, and
+drops checkpoints beyond ``keep``. Snapshots need local shards (their folder is readable here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from embeddings.launcher import ShardSpec
+from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
+    """Copy with fsync, hashing the bytes on the way; returns (sha256, bytes)."""
+    h, n = hashlib.sha256(), 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while block := fi.read(1 << 22):
+            h.update(block)
+            fo.write(block)
+            n += len(block)
+        fo.flush()
+        os.fsync(fo.fileno())
+    return h.hexdigest(), n
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    files: dict[str, str]  # relative path -> sha256
+    meta: dict = field(default_factory=dict)
+
+    def shard_file(self, shard: int) -> Path:
+        return self.path / f"shard{shard}.rdb"
+
+    def verify(self, names: list[str] | None = None) -> int:
+        """Check the SHA-256 of ``names`` (default: every file); returns bytes checked."""
+        total = 0
+        for rel in names if names is not None else list(self.files):
+            p = self.path / rel
+            if not p.is_file():
+                raise CorruptCheckpointError(f"checkpoint step {self.step}: {p} is missing")
+            digest = sha256_file(p)
+            if digest != self.files[rel]:
+                raise CorruptCheckpointError(
+                    f"checkpoint step {self.step}: {p} has SHA-256 {digest[:16]}..., manifest says {self.files[rel][:16]}..."
+                )
+            total += p.stat().st_size
+        return total
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Checkpoint]:
+    """Checkpoints with a readable manifest, newest first (files not yet verified)."""
+    out = []
+    d = Path(directory)
+    if not d.is_dir():
+        return out
+    for p in sorted(d.glob("step_*"), reverse=True):
+        m = p / MANIFEST
+        try:
+            doc = json.loads(m.read_text())
+            out.append(Checkpoint(step=int(doc["step"]), path=p, files=dict(doc["files"]), meta=doc.get("meta", {})))
+        except (OSError, ValueError, KeyError):
+            continue  # unfinished or damaged manifest: not a checkpoint
+    return out
+
+
+@dataclass
+class SaveStats:
+    step: int
+    pause_s: float = 0.0
+    total_s: float = 0.0
+    bytes: int = 0
+
+
+class Checkpointer:
+    """Takes and finds checkpoints. ``save`` is called by every trainer at the same step.
+
+    ``shards``: specs of the local shards (rank 0 snapshots them); ``client(s)`` gives a redis
+    client for shard s; ``barrier`` synchronises trainers (no-op with one).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        keep: int,
+        shards: list[ShardSpec],
+        client: Callable[[int], object],
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+        on_saved: Callable[[Checkpoint], None] = lambda c: None,
+        snapshot_timeout_s: float = 600.0,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep_checkpoints={keep} must be >= 1")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.shards = shards
+        self.client = client
+        self.rank = rank
+        self.barrier = barrier
+        self.on_saved = on_saved
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.history: list[SaveStats] = []
+
+    # -- saving ------------------------------------------------------------------------------
+    def save(self, step: int, dense_state: dict, meta: dict) -> SaveStats:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()  # one checkpoint in flight at a time
+        stats = SaveStats(step=step)
+        t0 = time.perf_counter()
+        path = self.dir / f"step_{step:010d}"
+        saves_before = {}
+        if self.rank == 0:
+            if path.exists():
+                shutil.rmtree(path)  # an unfinished folder of an earlier attempt
+            path.mkdir(parents=True)
+            for spec in self.shards:
+                c = self.client(spec.index)
+                saves_before[spec.index] = int(c.info("persistence")["rdb_saves"])
+                c.bgsave()  # fork: the snapshot point
+        self.barrier()  # no trainer writes a row before every shard forked
+        dcp.save(dense_state, checkpoint_id=str(path / "dense"))
+        stats.pause_s = time.perf_counter() - t0
+        if self.rank == 0:
+            self._thread = threading.Thread(
+                target=self._finish, args=(step, path, saves_before, meta, stats, t0), name="checkpoint", daemon=True
+            )
+            self._thread.start()
+        self.history.append(stats)
+        return stats
+
+    def _finish(self, step, path, saves_before, meta, stats, t0) -> None:
+        try:
+            files = {}
+            for spec in self.shards:
+                self._wait_snapshot(spec, saves_before[spec.index])
+                digest, n = copy_hashed(spec.rdb_path, path / f"shard{spec.index}.rdb")
+                files[f"shard{spec.index}.rdb"] = digest
+                stats.bytes += n
+            for p in sorted((path / "dense").rglob("*")):
+                if p.is_file():
+                    files[str(p.relative_to(path))] = sha256_file(p)
+                    stats.bytes += p.stat().st_size
+            write_json_atomic(path / "meta.json", meta)
+            files["meta.json"] = sha256_file(path / "meta.json")
+            fsync_dir(path)
+            write_json_atomic(path / MANIFEST, {"step": step, "files": files, "meta": meta})
+            stats.total_s = time.perf_counter() - t0
+            ckpt = Checkpoint(step, path, files, meta)
+            for old in list_checkpoints(self.dir)[self.keep :]:
+                shutil.rmtree(old.path, ignore_errors=True)
+            self.on_saved(ckpt)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            self._error = e
+
+    def _wait_snapshot(self, spec: ShardSpec, saves_before: int) -> None:
+        c = self.client(spec.index)
+        deadline = time.monotonic() + self.snapshot_timeout_s
+        while time.monotonic() < deadline:
+            info = c.info("persistence")
+            if int(info["rdb_saves"]) > saves_before and int(info["rdb_bgsave_in_progress"]) == 0:
+                if info["rdb_last_bgsave_status"] != "ok":
+                    raise RecoveryError(f"shard {spec.index} (port {spec.port}): background snapshot failed")
+                return
+            time.sleep(0.01)
+        raise RecoveryError(f"shard {spec.index} (port {spec.port}): snapshot not done in {self.snapshot_timeout_s}s")
+
+    def wait(self) -> None:
+        """Block until the checkpoint in flight is complete; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    # -- finding and loading -----------------------------------------------------------------
+    def candidates(self) -> list[Checkpoint]:
+        return list_checkpoints(self.dir)
+
+    def latest_verified(
+        self,
+        names: Callable[[Checkpoint], list[str] | None] = lambda c: None,
+        on_corrupt: Callable[[CorruptCheckpointError], None] = lambda e: None,
+    ) -> Checkpoint:
+        """The newest checkpoint whose files (``names(c)``, default all) verify; corrupt ones are reported and skipped."""
+        for c in self.candidates():
+            try:
+                c.verify(names(c))
+                return c
+            except CorruptCheckpointError as e:
+                on_corrupt(e)
+        raise NoCheckpointError(f"no complete, verified checkpoint in {self.dir}")

@@ -1,0 +1,23 @@
+"""Exception tree of the recovery package."""
+
+from __future__ import annotations
+
+
+class RecoveryError(Exception):
+    """Base class of every error raised by ``recovery``."""
+
+
+class CorruptCheckpointError(RecoveryError):
+    """A checkpoint file whose bytes do not match its manifest: never load it."""
+
+
+class NoCheckpointError(RecoveryError):
+    """No complete, verified checkpoint to restore from."""
+
+
+class CorruptLogError(RecoveryError):
+    """A log record in the middle of a log (not a torn tail) does not verify."""
+
+
+class InjectionSpecError(RecoveryError, ValueError):
+    """A ``--inject`` value that does not parse."""
