@@ -212,6 +212,12 @@ class RedisStore(StoreBase):
         """Run ``fn(client)`` on one shard with the store's error mapping."""
         return self._call(shard, lambda: fn(self._clients[shard]))
 
+    def reconnect(self, shard: int) -> None:
+        """Drop this shard's connections (its server was replaced); the next call opens new ones."""
+        with self._locks[shard]:
+            self._wires[shard].close()
+        self._pools[shard].disconnect()
+
     def applied_steps(self) -> list[int | None]:
         """Per shard: the last step whose update it applied (None: never)."""
 

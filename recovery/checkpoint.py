@@ -94,8 +94,9 @@ class Checkpoint:
         return total
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Checkpoint]:
-    """Checkpoints with a readable manifest, newest first (files not yet verified)."""
+def list_checkpoints(directory: str | os.PathLike, run: str | None = None) -> list[Checkpoint]:
+    """Checkpoints with a readable manifest, newest first (files not yet verified); with ``run``,
+    only those of that run (its namespace): a folder may hold an earlier run's checkpoints."""
     out = []
     d = Path(directory)
     if not d.is_dir():
@@ -104,7 +105,9 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Checkpoint]:
         m = p / MANIFEST
         try:
             doc = json.loads(m.read_text())
-            out.append(Checkpoint(step=int(doc["step"]), path=p, files=dict(doc["files"]), meta=doc.get("meta", {})))
+            c = Checkpoint(step=int(doc["step"]), path=p, files=dict(doc["files"]), meta=doc.get("meta", {}))
+            if run is None or c.meta.get("namespace") == run:
+                out.append(c)
         except (OSError, ValueError, KeyError):
             continue  # unfinished or damaged manifest: not a checkpoint
     return out
@@ -135,7 +138,9 @@ class Checkpointer:
         barrier: Callable[[], None] = lambda: None,
         on_saved: Callable[[Checkpoint], None] = lambda c: None,
         snapshot_timeout_s: float = 600.0,
+        run: str | None = None,
     ) -> None:
+        self.run = run
         if keep < 1:
             raise ValueError(f"keep_checkpoints={keep} must be >= 1")
         self.dir = Path(directory)
@@ -162,7 +167,7 @@ class Checkpointer:
         saves_before = {}
         if self.rank == 0:
             if path.exists():
-                shutil.rmtree(path)  # an unfinished folder of an earlier attempt
+                shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
             path.mkdir(parents=True)
             for spec in self.shards:
                 c = self.client(spec.index)
@@ -197,7 +202,7 @@ class Checkpointer:
             write_json_atomic(path / MANIFEST, {"step": step, "files": files, "meta": meta})
             stats.total_s = time.perf_counter() - t0
             ckpt = Checkpoint(step, path, files, meta)
-            for old in list_checkpoints(self.dir)[self.keep :]:
+            for old in list_checkpoints(self.dir, self.run)[self.keep :]:
                 shutil.rmtree(old.path, ignore_errors=True)
             self.on_saved(ckpt)
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
@@ -226,7 +231,7 @@ class Checkpointer:
 
     # -- finding and loading -----------------------------------------------------------------
     def candidates(self) -> list[Checkpoint]:
-        return list_checkpoints(self.dir)
+        return list_checkpoints(self.dir, self.run)
 
     def latest_verified(
         self,

@@ -150,6 +150,8 @@ class RecoveryManager:
                 records = [self._recover_one(s, step) for s in failed]
         rollback = self.collective.broadcast_int(rollback)
         self.collective.barrier()
+        for s in range(len(self.shards)) if self.strategy == "full" else failed:
+            self.store.reconnect(s)  # connections to the old processes are dead
         self.drain()
         done = time.time()
         for r in records:

@@ -102,7 +102,14 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
                     ShardLog(cfg.log_dir, s).drop_before(c.step)
 
         ckpt = Checkpointer(
-            cfg.checkpoint_dir, rc.keep_checkpoints, specs, backend.store.client, rank, coll.barrier, on_saved
+            cfg.checkpoint_dir,
+            rc.keep_checkpoints,
+            specs,
+            backend.store.client,
+            rank,
+            coll.barrier,
+            on_saved,
+            run=backend.store.namespace,
         )
     manager = RecoveryManager(
         strategy=rc.recovery,
@@ -147,6 +154,10 @@ def train(
     dense_saver = DenseSaver(cfg.checkpoint_dir, namespace) if cfg.recovery.max_restarts else NoDenseSaver()
     steps, G, every = cfg.train.steps, cfg.train.batch_size, cfg.recovery.checkpoint_every
 
+    def resume_position(step: int) -> dict:
+        """Reader state that yields the batch of ``step + 1`` next (the loop reads one batch ahead)."""
+        return {"position": step * G, "global_batch_size": G}
+
     def dense_state() -> dict:
         msd, osd = get_state_dict(plain, opt)
         return {"model": {k: v for k, v in msd.items() if "embedding_bags" not in k}, "optim": osd}
@@ -158,7 +169,7 @@ def train(
 
     def checkpoint(step: int) -> None:
         recovery.counter.mark(step)
-        meta = {"step": step, "reader": reader.state_dict(), "recovery": recovery.state(), "namespace": namespace}
+        meta = {"step": step, "reader": resume_position(step), "recovery": recovery.state(), "namespace": namespace}
         stats = ckpt.save(step, dense_state(), meta)
         for log in recovery.logs.values():
             log.open_segment(step + 1)
@@ -220,6 +231,12 @@ def train(
             )
             marker.unlink()
     else:
+        if rank == 0:  # a fresh run: segments in the folder are an earlier run's
+            if cfg.log_dir:
+                for seg in Path(cfg.log_dir).glob("shard*/seg_*.log"):
+                    seg.unlink()
+            (Path(cfg.train.out) / "trainer_failure.json").unlink(missing_ok=True)
+        coll.barrier()
         for log in recovery.logs.values():
             log.open_segment(1)
         if every:
@@ -276,7 +293,7 @@ def train(
             opt.step()
             if world_size > 1:
                 dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
-            dense_saver.save(step, {**dense_state(), "reader": reader.state_dict(), "recovery": recovery.state()})
+            dense_saver.save(step, {**dense_state(), "reader": resume_position(step), "recovery": recovery.state()})
             if every and step % every == 0:
                 checkpoint(step)
             eval_now = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0 and step != steps
