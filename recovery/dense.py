@@ -27,7 +27,8 @@ def _clone(obj):
 
 
 class DenseSaver:
-    def __init__(self, directory: str | os.PathLike, namespace: str) -> None:
+    def __init__(self, directory: str | os.PathLike, namespace: str, writer: bool = True) -> None:
+        self.writer = writer  # rank 0 writes; every trainer reads it back after a restart
         self.path = Path(directory) / "dense_latest.pt"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -38,6 +39,8 @@ class DenseSaver:
 
     def save(self, step: int, state: dict) -> None:
         self.wait()
+        if not self.writer:
+            return
         snapshot = {"namespace": self.namespace, "step": step, **_clone(state)}
         self._thread = threading.Thread(target=self._write, args=(snapshot,), name="dense-save", daemon=True)
         self._thread.start()

@@ -151,7 +151,7 @@ def train(
     coll = collective(world_size)
     recovery, injector = build_recovery(cfg, backend, specs, coll, rank, restart_count)
     ckpt = getattr(recovery, "checkpointer", None)
-    dense_saver = DenseSaver(cfg.checkpoint_dir, namespace) if cfg.recovery.max_restarts else NoDenseSaver()
+    dense_saver = DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
     steps, G, every = cfg.train.steps, cfg.train.batch_size, cfg.recovery.checkpoint_every
 
     def resume_position(step: int) -> dict:
