@@ -114,7 +114,9 @@ class Injector:
                     os.kill(pid, signal.SIGKILL)
                 else:
                     os.kill(pid, signal.SIGSTOP)
-                    threading.Timer(inj.seconds, _resume, args=(pid,)).start()
+                    timer = threading.Timer(inj.seconds, _resume, args=(pid,))
+                    timer.daemon = True  # a run that recovered does not wait for the stall to end
+                    timer.start()
                 self._done.add(inj)
             elif inj.kind == "corrupt-checkpoint" and latest_checkpoint_file is not None:
                 path = latest_checkpoint_file()

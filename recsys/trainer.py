@@ -96,10 +96,14 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     ckpt = None
     if rc.checkpoint_every:
 
-        def on_saved(c) -> None:  # rank 0, after the manifest: logs before c are covered
+        def on_saved(c) -> None:
+            # rank 0, after the manifest: log segments that every kept checkpoint covers can go.
+            # (Not just those before the newest: if the newest turns out corrupt, log recovery
+            # falls back to an older checkpoint and must still replay exactly.)
             if cfg.log_dir:
+                oldest = min(k.step for k in ckpt.candidates())
                 for s in range(len(specs)):
-                    ShardLog(cfg.log_dir, s).drop_before(c.step)
+                    ShardLog(cfg.log_dir, s).drop_before(oldest)
 
         ckpt = Checkpointer(
             cfg.checkpoint_dir,
@@ -151,7 +155,9 @@ def train(
     coll = collective(world_size)
     recovery, injector = build_recovery(cfg, backend, specs, coll, rank, restart_count)
     ckpt = getattr(recovery, "checkpointer", None)
-    dense_saver = DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
+    dense_saver = (
+        DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
+    )
     steps, G, every = cfg.train.steps, cfg.train.batch_size, cfg.recovery.checkpoint_every
 
     def resume_position(step: int) -> dict:

@@ -1,0 +1,227 @@
+import json
+
+import numpy as np
+import pytest
+import redis
+
+from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
+from recovery.accounting import UpdateCounter, lost_samples, pls
+from recovery.checkpoint import Checkpointer
+from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
+from recovery.inject import Injection, corrupt_file, parse_injection
+from recovery.log import ShardLog, encode_record, parse_fsync_policy, scan
+from recovery.manager import Collective, RecoveryManager
+from tests.conftest import track
+
+TABLES = TableSet([TableSpec("a", 300, 4), TableSpec("b", 200, 4)])
+
+
+def test_injection_specs_parse_and_bad_ones_are_named():
+    assert parse_injection("shard:2@step=10") == Injection("shard", 2, 10)
+    assert parse_injection("stall:0@step=5:2.5") == Injection("stall", 0, 5, 2.5)
+    assert parse_injection("trainer:1@step=7") == Injection("trainer", 1, 7)
+    assert parse_injection("corrupt-checkpoint:latest") == Injection("corrupt-checkpoint", None, None)
+    assert str(parse_injection("corrupt-checkpoint:latest@step=4")) == "corrupt-checkpoint:latest@step=4"
+    with pytest.raises(InjectionSpecError, match="--inject 'shard:x@step=1'"):
+        parse_injection("shard:x@step=1")
+
+
+def test_fsync_policy():
+    assert parse_fsync_policy("always") == 0.0 and parse_fsync_policy("none") is None
+    assert parse_fsync_policy("every:50") == 50.0
+    with pytest.raises(ValueError, match="'every:0'"):
+        parse_fsync_policy("every:0")
+
+
+def test_log_round_trip_cuts_a_torn_tail_and_drops_covered_segments(tmp_path):
+    log = ShardLog(tmp_path, 0, "always")
+    log.open_segment(1)
+    rng = np.random.default_rng(0)
+    written = []
+    for step in range(1, 6):
+        ids = rng.choice(300, 20, replace=False)
+        rows = rng.standard_normal((20, 5)).astype(np.float32)
+        log.append_step(step, [(0, ids, rows)])
+        written.append((step, ids, rows))
+    log.close()
+    seg = log.segments()[0]
+    whole = seg.stat().st_size
+    with open(seg, "ab") as f:  # a torn record: a header and half a payload
+        f.write(encode_record(6, 0, np.arange(10), np.ones((10, 5), np.float32))[:60])
+    log2 = ShardLog(tmp_path, 0)
+    log2.open_segment(1)  # reopening cuts the tail
+    assert seg.stat().st_size == whole and log2.num_cut_bytes == 60
+    got = list(log2.records(after_step=2))
+    assert [r.step for r in got] == [3, 4, 5]
+    for r, (step, ids, rows) in zip(got, written[2:]):
+        assert r.step == step and np.array_equal(r.ids, ids) and np.array_equal(r.rows, rows)
+    # a flipped byte in the middle: the records from there on do not verify
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    records, end = scan(seg)
+    assert 0 < len(records) < 5 and end < len(data)
+    # segments wholly before a checkpoint go
+    log2.open_segment(11)
+    log2.append_step(11, [(1, np.arange(3), np.zeros((3, 5), np.float32))])
+    assert len(log2.segments()) == 2
+    assert log2.drop_before(10) == [seg] and len(log2.segments()) == 1
+    log2.close()
+
+
+def test_update_counter_and_pls():
+    c = UpdateCounter(3)
+    c.add(np.array([5, 3, 2]))
+    c.mark(10)
+    c.add(np.array([1, 6, 3]))
+    assert c.since(10).tolist() == [1, 6, 3] and c.since(0).tolist() == [6, 9, 5]
+    assert lost_samples(1000, 6, 10) == 600.0 and lost_samples(1000, 0, 0) == 0.0
+    assert pls([600.0, 150.0], 10_000) == 0.075
+
+
+@pytest.fixture
+def rig(tmp_path, namespace):
+    """3 real shards, a store, a checkpointer and a log per shard: a trainer without a model."""
+    with LocalShards(3) as sh:
+        track(sh)
+        store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
+        ckpt = Checkpointer(tmp_path / "ckpt", 3, sh.specs, store.client, run=namespace)
+        logs = {s: ShardLog(tmp_path / "logs", s) for s in range(3)}
+        for log in logs.values():
+            log.open_segment(1)
+        yield sh, store, ckpt, logs
+        store.close()
+
+
+def make_manager(strategy, store, sh, ckpt, logs):
+    return RecoveryManager(
+        strategy=strategy,
+        store=store,
+        shards=sh.specs,
+        rank=0,
+        batch_size=64,
+        collective=Collective(),
+        checkpointer=ckpt,
+        logs=logs,
+    )
+
+
+def train_steps(mgr, store, first, last, rng):
+    for step in range(first, last + 1):
+        grads = {}
+        updated = {}
+        for t in TABLES:
+            ids = rng.choice(t.num_rows, 40, replace=False)
+            grads[t.name] = (ids, rng.standard_normal((40, t.dim)).astype(np.float32))
+            updated[t.name] = np.sort(ids)
+        mgr.apply(grads, step)
+        assert mgr.sync() == []
+        mgr.count_updates(updated)
+
+
+def all_rows(store):
+    return {t.name: store.read_rows(t.name, np.arange(t.num_rows)) for t in TABLES}
+
+
+def shard_mask(store, t, s):
+    return store.shard_map.shard_of(store.tables.index(t.name), np.arange(t.num_rows)) == s
+
+
+def checkpoint(mgr, ckpt, step, namespace):
+    mgr.counter.mark(step)
+    ckpt.save(step, {"x": __import__("torch").zeros(1)}, {"step": step, "namespace": namespace})
+    ckpt.wait()
+    for log in mgr.logs.values():
+        log.open_segment(step + 1)
+
+
+def test_partial_recovery_restores_only_the_failed_shard_and_counts_lost_updates(rig, namespace):
+    sh, store, ckpt, logs = rig
+    mgr = make_manager("partial", store, sh, ckpt, logs)
+    rng = np.random.default_rng(1)
+    train_steps(mgr, store, 1, 5, rng)
+    checkpoint(mgr, ckpt, 5, namespace)
+    at_ckpt = all_rows(store)
+    train_steps(mgr, store, 6, 9, rng)
+    before = all_rows(store)
+    sh.kill(1)
+    ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
+    assert not ok and mgr.sync() == [1]
+    assert mgr.recover([1], 10, "pull") is None
+    after = all_rows(store)
+    for t in TABLES:
+        m = shard_mask(store, t, 1)
+        np.testing.assert_array_equal(after[t.name][~m], before[t.name][~m])  # others untouched
+        np.testing.assert_array_equal(after[t.name][m], at_ckpt[t.name][m])  # failed one = checkpoint
+        assert not np.array_equal(before[t.name][m], at_ckpt[t.name][m])  # there was something to lose
+    # the updates actually lost: every (row, step) the shard's log holds after the checkpoint
+    actual = sum(len(r.ids) for r in logs[1].records(after_step=5, up_to_step=9))
+    rec = mgr.failures[0]
+    assert rec["lost_updates"] == actual > 0
+    assert rec["restored_from_step"] == 5 and rec["kind"] == "shard" and rec["target"] == 1
+    share = mgr.counter.since(5)[1] / mgr.counter.since(5).sum()
+    assert rec["lost_samples"] == pytest.approx(4 * 64 * share, abs=1e-3)
+    assert store.applied_steps()[1] == 5
+
+
+def test_log_recovery_replays_to_the_exact_rows(rig, namespace):
+    sh, store, ckpt, logs = rig
+    mgr = make_manager("log", store, sh, ckpt, logs)
+    rng = np.random.default_rng(2)
+    train_steps(mgr, store, 1, 4, rng)
+    checkpoint(mgr, ckpt, 4, namespace)
+    train_steps(mgr, store, 5, 8, rng)
+    before = all_rows(store)
+    # a torn tail on the failed shard's log (a crash mid-append) is cut and the rest replays
+    with open(logs[2].segments()[-1], "ab") as f:
+        f.write(b"\x31\x43\x45\x52garbage")
+    sh.kill(2)
+    mgr.guard(lambda: store.pull("b", np.arange(200)))
+    assert mgr.recover(mgr.sync(), 9, "pull") is None
+    after = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(after[t.name], before[t.name])
+    assert mgr.failures[0]["lost_updates"] == 0 and store.applied_steps()[2] == 8
+
+
+def test_corrupt_checkpoint_is_detected_never_loaded_and_restore_falls_back(rig, namespace):
+    sh, store, ckpt, logs = rig
+    mgr = make_manager("partial", store, sh, ckpt, logs)
+    rng = np.random.default_rng(3)
+    train_steps(mgr, store, 1, 3, rng)
+    checkpoint(mgr, ckpt, 3, namespace)
+    at_3 = all_rows(store)
+    train_steps(mgr, store, 4, 6, rng)
+    checkpoint(mgr, ckpt, 6, namespace)
+    corrupt_file(ckpt.candidates()[0].shard_file(0))
+    with pytest.raises(CorruptCheckpointError, match=r"step 6: .*shard0.rdb has SHA-256"):
+        ckpt.candidates()[0].verify()
+    sh.kill(0)
+    mgr.guard(lambda: store.pull("a", np.arange(300)))
+    mgr.recover(mgr.sync(), 7, "pull")
+    rec = mgr.failures[0]
+    assert rec["restored_from_step"] == 3 and "shard0.rdb" in rec["corrupt_checkpoints"][0]
+    after = all_rows(store)
+    for t in TABLES:
+        m = shard_mask(store, t, 0)
+        np.testing.assert_array_equal(after[t.name][m], at_3[t.name][m])
+    # with every checkpoint corrupt there is nothing to load
+    assert [c.step for c in ckpt.candidates()] == [6, 3]
+    corrupt_file(ckpt.candidates()[1].shard_file(0))
+    with pytest.raises(NoCheckpointError, match="no complete, verified checkpoint"):
+        ckpt.latest_verified()
+
+
+def test_unfinished_or_foreign_checkpoints_do_not_count(rig, namespace, tmp_path):
+    sh, store, ckpt, logs = rig
+    ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": namespace})
+    ckpt.wait()
+    (ckpt.dir / "step_0000000009").mkdir()  # no manifest
+    other = ckpt.dir / "step_0000000008"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"step": 8, "files": {}, "meta": {"namespace": "someone-else"}}))
+    assert [c.step for c in ckpt.candidates()] == [1]
+    c = ckpt.latest_verified()
+    assert c.step == 1 and set(c.files) >= {"shard0.rdb", "shard1.rdb", "shard2.rdb", "meta.json"}
+    assert any(k.startswith("dense/") for k in c.files)
+    assert redis.Redis.from_url(sh.url(0)).info("persistence")["rdb_saves"] >= 1
