@@ -313,6 +313,8 @@ class NoRecovery:
 
     failures: list[dict] = []
     lost: list[float] = []
+    logs: dict = {}
+    checkpointer = None
 
     def guard(self, fn):
         return True, fn()

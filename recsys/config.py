@@ -243,6 +243,12 @@ class RunConfig:
                 _check(
                     1 <= inj.step <= self.train.steps, "inject", str(inj), f"step must be in [1, {self.train.steps}]"
                 )
+        _check(
+            not (rc.checkpoint_every and self.embeddings.embeddings == "local"),
+            "checkpoint_every",
+            rc.checkpoint_every,
+            "checkpoints cover the Redis tier; the local baseline takes none",
+        )
         if rc.checkpoint_every and self.embeddings.embeddings == "redis":
             _check(
                 self.embeddings.redis == "local",
