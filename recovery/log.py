@@ -99,6 +99,7 @@ class ShardLog:
         self._file = None
         self._last_fsync = time.monotonic()
         self.bytes_written = 0
+        self.seconds = 0.0  # spent appending and syncing, on the training path
         self.num_cut_bytes = 0
 
     def segments(self) -> list[Path]:
@@ -121,6 +122,7 @@ class ShardLog:
         """Group commit of one step's updates (table, ids, new rows); returns bytes written."""
         if self._file is None:
             raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
+        t0 = time.perf_counter()
         blob = b"".join(encode_record(step, t, ids, rows) for t, ids, rows in groups)
         self._file.write(blob)
         self._file.flush()
@@ -128,6 +130,7 @@ class ShardLog:
             os.fsync(self._file.fileno())
             self._last_fsync = time.monotonic()
         self.bytes_written += len(blob)
+        self.seconds += time.perf_counter() - t0
         return len(blob)
 
     def records(self, after_step: int, up_to_step: int | None = None) -> Iterator[LogRecord]:

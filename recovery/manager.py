@@ -35,7 +35,7 @@ from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryE
 from recovery.inject import Injector, read_pid
 from recovery.log import ShardLog
 
-STRATEGIES = ("full", "partial", "log")
+STRATEGIES = ("full", "partial", "partial-mfu", "partial-ssu", "log")
 
 
 @dataclass
@@ -63,6 +63,7 @@ class RecoveryManager:
     failures: list[dict] = field(default_factory=list)
     lost: list[float] = field(default_factory=list)
     counter: UpdateCounter | None = None
+    priority: object | None = None  # PrioritySaver (rank 0, partial-mfu / partial-ssu)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -100,7 +101,14 @@ class RecoveryManager:
         for name, ids in updated.items():
             t = self.store.tables.index(name)
             per_shard += np.bincount(self.store.shard_map.shard_of(t, ids), minlength=len(self.shards))
+            if self.priority is not None:
+                self.priority.observe(t, ids)
         self.counter.add(per_shard)
+
+    def on_checkpoint(self, step: int) -> None:
+        self.counter.mark(step)
+        if self.priority is not None:
+            self.priority.on_checkpoint(step)
 
     def log_step(self, step: int, written: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
         """Group-commit this step's written rows to the logs of the shards this trainer writes."""
@@ -249,11 +257,17 @@ class RecoveryManager:
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
+            saved = 0
+            if self.priority is not None:  # partial-mfu / partial-ssu: overlay the newest priority save
+                nbytes, saved = self.priority.overlay(shard, base_step)
+                rec["restored_bytes"] += nbytes
+                rec["saved_updates"] = saved
             lost_here = int(self.counter.total[shard] - max(self._base_total(base_step)[shard], self._lost_base[shard]))
             completed = step - 1  # the interrupted step resumes on the restored shard
             samples_since = max(0, completed - base_step) * self.batch_size
-            rec["lost_updates"] = max(lost_here, 0)
-            rec["lost_samples"] = round(lost_samples(samples_since, int(since[shard]), int(since.sum())), 3)
+            rec["lost_updates"] = max(lost_here - saved, 0)
+            lost_share = max(int(since[shard]) - saved, 0)
+            rec["lost_samples"] = round(lost_samples(samples_since, lost_share, int(since.sum())), 3)
             self.lost.append(rec["lost_samples"])
         self._lost_base[shard] = self.counter.total[shard]
         return rec
@@ -315,6 +329,7 @@ class NoRecovery:
     lost: list[float] = []
     logs: dict = {}
     checkpointer = None
+    priority = None
 
     def guard(self, fn):
         return True, fn()
@@ -323,6 +338,9 @@ class NoRecovery:
         return []
 
     def count_updates(self, updated) -> None:
+        pass
+
+    def on_checkpoint(self, step: int) -> None:
         pass
 
     def state(self) -> dict:

@@ -163,12 +163,25 @@ class TrainConfig:
 
 @dataclass
 class RecoveryConfig:
-    recovery: Literal["partial", "full", "log"] = "partial"
+    recovery: Literal["partial", "partial-mfu", "partial-ssu", "full", "log"] = "partial"
     """What a failed embedding shard costs: partial (CPR: restore it alone from its checkpoint,
     count lost updates), log (as partial, then replay its update log: nothing lost), full (roll
     everything back to the checkpoint and recompute)."""
-    checkpoint_every: int = 0
-    """Checkpoint every K steps (0: never); a checkpoint is also taken at step 0 when on."""
+    checkpoint_every: int | str = 0
+    """Checkpoint every K steps (0: never; a checkpoint is also taken at step 0 when on), or ``auto``:
+    the planner picks K from ``mtbf``, ``target_pls`` and the measured checkpoint cost."""
+    target_pls: float = 0.01
+    """With checkpoint_every=auto: the portion of lost samples to stay under."""
+    mtbf: str = ""
+    """With checkpoint_every=auto: mean steps (``500``) or seconds (``120s``) between shard failures."""
+    priority_every: int = 0
+    """partial-mfu/ssu: save each shard's priority rows every N steps (0: a quarter of the checkpoint interval)."""
+    priority_budget: int = 2000
+    """partial-mfu/ssu: rows per shard per priority save."""
+    ssu_fraction: float = 0.05
+    """partial-ssu: fraction of updated rows tracked (sampled by a hash of the row)."""
+    ssu_capacity: int = 8192
+    """partial-ssu: rows tracked per shard (bounded memory)."""
     checkpoint_dir: str = ""
     """Where checkpoints go (default: OUT/checkpoints)."""
     keep_checkpoints: int = 2
@@ -186,8 +199,34 @@ class RecoveryConfig:
         from recovery.inject import parse_injection
         from recovery.log import parse_fsync_policy
 
-        _check(self.recovery in ("partial", "full", "log"), "recovery", self.recovery, "must be partial, full or log")
-        _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _check(
+            self.recovery in ("partial", "partial-mfu", "partial-ssu", "full", "log"),
+            "recovery",
+            self.recovery,
+            "must be partial, partial-mfu, partial-ssu, full or log",
+        )
+        if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
+            try:
+                self.checkpoint_every = int(self.checkpoint_every)
+            except ValueError:
+                raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: must be a step count or auto") from None
+        if self.checkpoint_every == "auto":
+            from recovery.planner import parse_mtbf
+
+            _check(bool(self.mtbf), "mtbf", self.mtbf, "checkpoint_every=auto needs --mtbf STEPS or SECONDSs")
+            try:
+                parse_mtbf(self.mtbf, step_seconds=1.0)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            _check(0 < self.target_pls < 1, "target_pls", self.target_pls, "must be in (0, 1)")
+        else:
+            _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _check(self.priority_every >= 0, "priority_every", self.priority_every, "must be >= 0")
+        _check(self.priority_budget > 0, "priority_budget", self.priority_budget, "must be > 0")
+        _check(0 < self.ssu_fraction <= 1, "ssu_fraction", self.ssu_fraction, "must be in (0, 1]")
+        _check(self.ssu_capacity > 0, "ssu_capacity", self.ssu_capacity, "must be > 0")
+        if self.recovery in ("partial-mfu", "partial-ssu"):
+            _check(bool(self.checkpoint_every), "recovery", self.recovery, "priority saves need --checkpoint-every")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         try:

@@ -37,6 +37,8 @@ from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.inject import Injector
 from recovery.log import ShardLog
 from recovery.manager import Collective, NoRecovery, RecoveryManager
+from recovery.planner import parse_mtbf, plan_interval
+from recovery.priority import MFUTracker, PrioritySaver, RowCounts, SSUTracker
 from recsys.backends import LocalBackend, StoreBackend
 from recsys.config import RunConfig
 from recsys.datasets import sources
@@ -84,6 +86,69 @@ def collective(world_size: int) -> Collective:
     return Collective(world_size, dist.barrier, max_flags, broadcast_int)
 
 
+class Schedule:
+    """When to checkpoint and take priority saves. ``auto``: after ``WARMUP`` steps the planner picks
+    the interval from the measured step time and checkpoint pause (rank 0 decides, all follow)."""
+
+    WARMUP = 10
+
+    def __init__(self, cfg: RunConfig, num_shards: int, coll: Collective, rank: int) -> None:
+        rc = cfg.recovery
+        self.rc, self.num_shards, self.coll, self.rank = rc, num_shards, coll, rank
+        self.auto = rc.checkpoint_every == "auto"
+        self.every = 0 if self.auto else int(rc.checkpoint_every)
+        self.priority_on = rc.recovery in ("partial-mfu", "partial-ssu")
+        self.plan: dict | None = None
+        self._step_times: list[float] = []
+        self.checkpoint_pause_s = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rc.checkpoint_every)
+
+    @property
+    def priority_every(self) -> int:
+        return self.rc.priority_every or max(1, self.every // 4)
+
+    def observe(self, step: int, seconds: float) -> None:
+        if not self.auto or self.every:
+            return
+        if step > 1:
+            self._step_times.append(seconds)
+        if step == self.WARMUP:
+            interval = -1
+            if self.rank == 0:
+                step_s = float(np.median(self._step_times))
+                mtbf = parse_mtbf(self.rc.mtbf, step_seconds=step_s)
+                plan = plan_interval(mtbf, self.rc.target_pls, self.num_shards, self.checkpoint_pause_s / step_s)
+                interval = plan.interval
+                self.plan = {
+                    "interval": plan.interval,
+                    "expected_pls": plan.expected_pls,
+                    "overhead": plan.overhead,
+                    "young_interval": plan.young_interval,
+                    "mtbf_steps": mtbf,
+                    "step_s": step_s,
+                    "checkpoint_pause_s": self.checkpoint_pause_s,
+                    "target_pls": self.rc.target_pls,
+                }
+            self.every = self.coll.broadcast_int(interval)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def priority_due(self, step: int) -> bool:
+        return (
+            self.priority_on and bool(self.every) and step % self.priority_every == 0 and not self.checkpoint_due(step)
+        )
+
+    def state(self) -> dict:
+        return {"every": self.every}
+
+    def load(self, state: dict) -> None:
+        self.every = int(state["every"])
+
+
 def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collective, rank: int, restart_count: int):
     """Recovery manager, checkpointer and injector of one trainer (no-op objects where off)."""
     if not isinstance(backend, StoreBackend):
@@ -115,7 +180,18 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
             on_saved,
             run=backend.store.namespace,
         )
+    priority = None
+    if rc.recovery in ("partial-mfu", "partial-ssu") and rank == 0:
+        store = backend.store
+        tracker = (
+            MFUTracker(store)
+            if rc.recovery == "partial-mfu"
+            else SSUTracker(store, rc.ssu_fraction, rc.ssu_capacity, cfg.train.seed)
+        )
+        counts = RowCounts([t.num_rows for t in store.tables])
+        priority = PrioritySaver(Path(cfg.checkpoint_dir) / "priority", store, tracker, rc.priority_budget, counts)
     manager = RecoveryManager(
+        priority=priority,
         strategy=rc.recovery,
         store=backend.store,
         shards=specs,
@@ -158,7 +234,8 @@ def train(
     dense_saver = (
         DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
     )
-    steps, G, every = cfg.train.steps, cfg.train.batch_size, cfg.recovery.checkpoint_every
+    steps, G = cfg.train.steps, cfg.train.batch_size
+    schedule = Schedule(cfg, len(specs), coll, rank)
 
     def resume_position(step: int) -> dict:
         """Reader state that yields the batch of ``step + 1`` next (the loop reads one batch ahead)."""
@@ -174,12 +251,21 @@ def train(
         set_state_dict(plain, opt, model_state_dict=msd, optim_state_dict=state["optim"])
 
     def checkpoint(step: int) -> None:
-        recovery.counter.mark(step)
+        recovery.on_checkpoint(step)
         meta = {"step": step, "reader": resume_position(step), "recovery": recovery.state(), "namespace": namespace}
         stats = ckpt.save(step, dense_state(), meta)
         for log in recovery.logs.values():
             log.open_segment(step + 1)
         out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
+
+    def priority_save(step: int) -> None:
+        """partial-mfu/ssu: rank 0 saves each shard's priority rows while the others wait (consistent rows)."""
+        t0 = time.perf_counter()
+        rows = recovery.priority.save(step) if recovery.priority is not None else 0
+        coll.barrier()
+        pauses.append(time.perf_counter() - t0)
+        if rank == 0:
+            out.log({"step": step, "priority_rows": rows, "priority_pause_s": round(pauses[-1], 4)})
 
     def roll_back(to_step: int) -> int:
         """Full recovery: dense state, readers and logs back to checkpoint ``to_step``."""
@@ -198,6 +284,7 @@ def train(
 
     # -- start: fresh, or resume after a trainer restart ------------------------------------------
     step = 1
+    pauses: list[float] = []  # priority-save pauses
     resumed = dense_saver.load()
     out = RunOutputs(cfg, append=resumed is not None) if rank == 0 else NullOutputs()
     if resumed is not None:
@@ -213,7 +300,8 @@ def train(
                 for s in range(len(specs)):
                     ShardLog(cfg.log_dir, s).truncate_after(d)
         coll.barrier()
-        last_ckpt = max([c for c in recovery.counter.at_step if c <= d] or [0]) if every else d
+        schedule.load(resumed["schedule"])
+        last_ckpt = max([c for c in recovery.counter.at_step if c <= d] or [0]) if schedule.enabled else d
         for log in recovery.logs.values():
             log.open_segment(last_ckpt + 1)
         step = d + 1
@@ -245,8 +333,9 @@ def train(
         coll.barrier()
         for log in recovery.logs.values():
             log.open_segment(1)
-        if every:
+        if schedule.enabled:
             checkpoint(0)
+            schedule.checkpoint_pause_s = ckpt.history[-1].pause_s
 
     bar = tqdm(total=steps, initial=step - 1, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
     last_eval: dict = {}
@@ -254,6 +343,7 @@ def train(
     batch = next(reader)
     try:
         while step <= steps:
+            t_step = time.perf_counter()
             if injector is not None:
                 injector.at_step(step, lambda: recovery.latest_shard_file(0))
             # (1) stage: this batch's rows, or recover and retry
@@ -299,9 +389,20 @@ def train(
             opt.step()
             if world_size > 1:
                 dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
-            dense_saver.save(step, {**dense_state(), "reader": resume_position(step), "recovery": recovery.state()})
-            if every and step % every == 0:
+            dense_saver.save(
+                step,
+                {
+                    **dense_state(),
+                    "reader": resume_position(step),
+                    "recovery": recovery.state(),
+                    "schedule": schedule.state(),
+                },
+            )
+            schedule.observe(step, time.perf_counter() - t_step)
+            if schedule.checkpoint_due(step):
                 checkpoint(step)
+            elif schedule.priority_due(step):
+                priority_save(step)
             eval_now = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0 and step != steps
             if step % cfg.train.log_every == 0 or step == steps or eval_now:
                 mean_loss = loss.detach().clone()
@@ -363,6 +464,12 @@ def train(
                 for s in (ckpt.history if ckpt is not None else [])
             ],
             "log_bytes": sum(log.bytes_written for log in recovery.logs.values()) if cfg.log_dir else 0,
+            "log_seconds": round(sum(log.seconds for log in recovery.logs.values()), 4) if cfg.log_dir else 0.0,
+            "checkpoint_every": schedule.every,
+            "checkpoint_plan": schedule.plan,
+            "priority_saves": len(pauses),
+            "priority_pause_s": round(sum(pauses), 4),
+            "priority_bytes": recovery.priority.bytes_written if getattr(recovery, "priority", None) else 0,
             "dense_saves": dense_saver.num_saves,
             **backend.stats(),
         }
