@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from embeddings.launcher import ShardSpec
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 
@@ -119,6 +121,7 @@ class SaveStats:
     pause_s: float = 0.0
     total_s: float = 0.0
     bytes: int = 0
+    abandoned: str = ""
 
 
 class Checkpointer:
@@ -187,8 +190,9 @@ class Checkpointer:
     def _finish(self, step, path, saves_before, meta, stats, t0) -> None:
         try:
             files = {}
-            for spec in self.shards:
+            for spec in self.shards:  # every fork has written its file: from here on no shard is needed
                 self._wait_snapshot(spec, saves_before[spec.index])
+            for spec in self.shards:
                 digest, n = copy_hashed(spec.rdb_path, path / f"shard{spec.index}.rdb")
                 files[f"shard{spec.index}.rdb"] = digest
                 stats.bytes += n
@@ -205,6 +209,11 @@ class Checkpointer:
             for old in list_checkpoints(self.dir, self.run)[self.keep :]:
                 shutil.rmtree(old.path, ignore_errors=True)
             self.on_saved(ckpt)
+        except (redis.RedisError, OSError, RecoveryError) as e:
+            # a shard failed before its snapshot was safe: this checkpoint is abandoned (it never
+            # gets a manifest); the previous one stays the newest
+            stats.abandoned = f"{type(e).__name__}: {e}"
+            shutil.rmtree(path, ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
             self._error = e
 

@@ -195,6 +195,7 @@ class RecoveryManager:
     def _checkpoint_for(self, shards: list[int], record: dict) -> Checkpoint | None:
         if self.checkpointer is None:
             return None
+        self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
         if self.injector is not None:
             self.injector.before_restore(lambda: self.latest_shard_file(shards[0]))
 

@@ -113,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
         "corrupt-checkpoint:latest[@step=N]",
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
+    from recsys.bench import __doc__ as bench_doc
+    from recsys.bench import add_arguments
+
+    br = sub.add_parser(
+        "bench-recovery",
+        help="benchmark the recovery strategies",
+        description=bench_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(br)
     return ap
 
 
@@ -146,6 +156,15 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from recsys.launch import TrainerFailed, run
+
+    if args.command == "bench-recovery":
+        from recsys.bench import main as bench_main
+
+        try:
+            return bench_main(args)
+        except (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     try:
         cfg = resolve(args)

@@ -145,6 +145,8 @@ class TrainConfig:
     """Run directory for config.toml, metrics.jsonl, summary.json, plots/."""
     save_model: bool = False
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
 
     def __post_init__(self) -> None:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")

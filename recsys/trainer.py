@@ -337,7 +337,14 @@ def train(
             checkpoint(0)
             schedule.checkpoint_pause_s = ckpt.history[-1].pause_s
 
-    bar = tqdm(total=steps, initial=step - 1, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(
+        total=steps,
+        initial=step - 1,
+        desc="train",
+        unit="step",
+        disable=rank != 0 or not cfg.train.progress,
+        dynamic_ncols=True,
+    )
     last_eval: dict = {}
     t0 = time.perf_counter()
     batch = next(reader)
@@ -460,7 +467,13 @@ def train(
             "recovery": cfg.recovery.recovery,
             "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
             "checkpoints": [
-                {"step": s.step, "pause_s": round(s.pause_s, 4), "total_s": round(s.total_s, 4), "bytes": s.bytes}
+                {
+                    "step": s.step,
+                    "pause_s": round(s.pause_s, 4),
+                    "total_s": round(s.total_s, 4),
+                    "bytes": s.bytes,
+                    **({"abandoned": s.abandoned} if s.abandoned else {}),
+                }
                 for s in (ckpt.history if ckpt is not None else [])
             ],
             "log_bytes": sum(log.bytes_written for log in recovery.logs.values()) if cfg.log_dir else 0,

@@ -1,0 +1,301 @@
+"""``python -m recsys bench-recovery``: what each recovery strategy costs, measured side by side.
+
+The same training run (same data, model, seed and an emulated, seeded schedule of shard failures)
+under each strategy: ``none`` (no failures, no checkpoints: the reference), ``full``, ``partial``,
+``partial-mfu``, ``partial-ssu`` and ``log``. Per strategy: wall time; time lost to failures
+(detection + restore + recomputation); time spent checkpointing, logging and priority-saving on the
+training path; checkpoint-related overhead = (failure time + checkpoint/log/priority time) divided
+by the reference run's wall time (CPR's definition); PLS; final AUC and logloss and the change
+against the reference; bytes written. Outputs ``results.csv``, ``results.md`` and
+``overhead_vs_auc.png`` in ``--out``.
+
+``--scaling``: partial recovery of one shard against its size (up to 1 GB of rows), beside a full
+restore of all shards and the lower bound of starting a fresh ``redis-server`` on that shard's
+snapshot bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+STRATEGIES = ("none", "full", "partial", "partial-mfu", "partial-ssu", "log")
+
+
+def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> list[str]:
+    """Shard kills at rate ``rate`` per step (steps 2 .. steps-1), a seeded random shard each; at least one."""
+    rng = np.random.default_rng([seed, 31337])
+    at = [s for s in range(2, steps) if rng.random() < rate]
+    if not at:
+        at = [steps // 2]
+    return [f"shard:{int(rng.integers(num_shards))}@step={s}" for s in at]
+
+
+def _config(args, out: Path, strategy: str, injections: list[str]):
+    from recsys.config import RunConfig
+
+    d = {
+        "data": {"data": args.data, "rows_per_table": args.rows_per_table, "eval_samples": args.eval_samples},
+        "model": {"embedding_dim": args.embedding_dim},
+        "embeddings": {"shards": args.shards},
+        "optim": {"optimizer": args.optimizer, "lr": args.lr},
+        "train": {
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "trainers": args.trainers,
+            "seed": args.seed,
+            "eval_every": 0,
+            "log_every": max(1, args.steps // 20),
+            "out": str(out),
+            "progress": False,
+        },
+        "recovery": {},
+    }
+    if strategy != "none":
+        d["recovery"] = {
+            "recovery": strategy,
+            "checkpoint_every": args.checkpoint_every,
+            "inject": injections,
+            "priority_budget": args.priority_budget,
+            "keep_checkpoints": 2,
+        }
+    return RunConfig.from_dict(d, source="bench-recovery")
+
+
+def summarize(strategy: str, s: dict, ref: dict) -> dict:
+    step_s = ref["wall_seconds"] / ref["steps_completed"]
+    fails = s["failures"]
+    failure_s = sum(f["detected_after_s"] + f["recovery_s"] for f in fails)
+    failure_s += sum(f.get("recomputed_steps", 0) for f in fails) * step_s
+    ckpt_s = sum(c["pause_s"] for c in s.get("checkpoints", []))
+    saving_s = ckpt_s + s.get("log_seconds", 0.0) + s.get("priority_pause_s", 0.0)
+    written = sum(c["bytes"] for c in s.get("checkpoints", [])) + s.get("log_bytes", 0) + s.get("priority_bytes", 0)
+    return {
+        "strategy": strategy,
+        "failures": len(fails),
+        "wall_s": round(s["wall_seconds"], 2),
+        "failure_time_s": round(failure_s, 3),
+        "saving_time_s": round(saving_s, 3),
+        "overhead_pct": round(100 * (failure_s + saving_s) / ref["wall_seconds"], 2),
+        "wall_vs_none_pct": round(100 * (s["wall_seconds"] / ref["wall_seconds"] - 1), 1),
+        "pls": round(s.get("pls", 0.0), 5),
+        "lost_updates": sum(f.get("lost_updates", 0) for f in fails),
+        "saved_updates": sum(f.get("saved_updates", 0) for f in fails),
+        "final_auc": round(s["final_auc"], 5),
+        "final_logloss": round(s["final_logloss"], 5),
+        "auc_change": round(s["final_auc"] - ref["final_auc"], 5),
+        "bytes_written": written,
+    }
+
+
+COLUMNS = [
+    "strategy",
+    "failures",
+    "wall_s",
+    "failure_time_s",
+    "saving_time_s",
+    "overhead_pct",
+    "wall_vs_none_pct",
+    "pls",
+    "lost_updates",
+    "saved_updates",
+    "final_auc",
+    "final_logloss",
+    "auc_change",
+    "bytes_written",
+]
+
+
+def markdown(rows: list[dict], columns=COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["overhead_pct"], r["auc_change"], s=60)
+        ax.annotate(r["strategy"], (r["overhead_pct"], r["auc_change"]), textcoords="offset points", xytext=(6, 4))
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xlabel("checkpoint-related overhead (% of the failure-free run)")
+    ax.set_ylabel("AUC change vs failure-free run")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bench_strategies(args) -> list[dict]:
+    from recsys.launch import run
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    schedule = failure_schedule(args.steps, args.failure_rate, args.shards, args.seed)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad:
+        raise SystemExit(f"--strategies: unknown {bad}; choose from {', '.join(STRATEGIES)}")
+    if "none" not in strategies:
+        strategies.insert(0, "none")
+    summaries = {}
+    for strategy in tqdm(strategies, desc="bench-recovery", unit="run"):
+        cfg = _config(args, out / strategy, strategy, schedule)
+        summaries[strategy] = run(cfg)
+    ref = summaries["none"]
+    rows = [summarize(s, summaries[s], ref) for s in strategies]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    title = (
+        f"{args.steps} steps x {args.batch_size}, {args.shards} shards, {args.trainers} trainer(s), "
+        f"checkpoint every {args.checkpoint_every}, failures at {', '.join(schedule)}"
+    )
+    md = f"{title}\n\n{markdown(rows)}\n"
+    (out / "results.md").write_text(md)
+    (out / "schedule.json").write_text(json.dumps(schedule))
+    plot(rows, out / "overhead_vs_auc.png", title)
+    print(md)
+    return rows
+
+
+def bench_scaling(args) -> list[dict]:
+    """Partial recovery time of one shard against its size, beside full restore and the lower bound."""
+    from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
+    from embeddings.launcher import spawn_shard
+    from recovery.checkpoint import Checkpointer
+    from recovery.manager import Collective, RecoveryManager
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    dim = 64
+    for size in tqdm(args.scaling_sizes, desc="scaling", unit="size"):
+        nbytes = parse_size(size)
+        per_shard = max(1, nbytes // (4 * dim))
+        tables = TableSet([TableSpec("t", per_shard * args.scaling_shards, dim)])
+        with LocalShards(args.scaling_shards) as sh:
+            ns = "scale"
+            store = RedisStore(sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=120.0)
+            chunk = 200_000
+            total = per_shard * args.scaling_shards
+            for lo in range(0, total, chunk):
+                ids = np.arange(lo, min(total, lo + chunk))
+                store.write_rows("t", ids, np.full((len(ids), dim), 0.5, np.float32))
+            ckpt_dir = out / f"scaling-{size}"
+            ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store.client, run=ns)
+            ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": ns})
+            ckpt.wait()
+            shard_bytes = ckpt.candidates()[0].shard_file(0).stat().st_size
+
+            def recover(strategy: str, store=store, ckpt=ckpt, sh=sh) -> float:
+                mgr = RecoveryManager(
+                    strategy=strategy,
+                    store=store,
+                    shards=sh.specs,
+                    rank=0,
+                    batch_size=1,
+                    collective=Collective(),
+                    checkpointer=ckpt,
+                )
+                sh.kill(0)
+                t0 = time.time()
+                mgr._detected[0] = t0
+                mgr.recover([0], 2, "bench")
+                return mgr.failures[0]["recovery_s"]
+
+            partial_s = recover("partial")
+            full_s = recover("full")
+            # lower bound: the snapshot is already in place; start a server on it and wait until it serves
+            spec = sh.spec(0)
+            sh.kill(0)
+            import shutil
+
+            shutil.copyfile(ckpt.candidates()[0].shard_file(0), spec.rdb_path)
+            t0 = time.perf_counter()
+            spawn_shard(spec, die_with_parent=False, timeout_s=600)
+            lower_s = time.perf_counter() - t0
+            store.close()
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        rows.append(
+            {
+                "rows_per_shard": per_shard,
+                "shard_snapshot_mb": round(shard_bytes / 1e6, 1),
+                "partial_recovery_s": round(partial_s, 3),
+                "full_restore_s": round(full_s, 3),
+                "load_lower_bound_s": round(lower_s, 3),
+                "shards": args.scaling_shards,
+            }
+        )
+    cols = list(rows[0])
+    md = f"Recovery time against shard size ({args.scaling_shards} shards, 64-dim float32 rows)\n\n{markdown(rows, cols)}\n"
+    (out / "scaling.md").write_text(md)
+    with open(out / "scaling.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    print(md)
+    return rows
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    t = text.strip().upper()
+    for u, m in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * m)
+    return int(t)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--data", default="synthetic", help="as for train: synthetic | criteo-kaggle:PATH | criteo-terabyte:DIR"
+    )
+    ap.add_argument("--steps", type=int, default=400, help="training steps per strategy")
+    ap.add_argument("--batch-size", type=int, default=512, help="global batch size")
+    ap.add_argument("--trainers", type=int, default=1, help="trainer processes per run")
+    ap.add_argument("--shards", type=int, default=4, help="local Redis shards")
+    ap.add_argument("--rows-per-table", type=int, default=20_000, help="rows of each of the 26 tables")
+    ap.add_argument("--embedding-dim", type=int, default=16, help="embedding dim")
+    ap.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad"], help="optimizer")
+    ap.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    ap.add_argument("--eval-samples", type=int, default=32_768, help="held-out samples for the final AUC")
+    ap.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint interval in steps")
+    ap.add_argument("--priority-budget", type=int, default=2000, help="partial-mfu/ssu rows per shard per save")
+    ap.add_argument("--failure-rate", type=float, default=0.005, help="shard failures per step (seeded schedule)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of data, model and the failure schedule")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
+    ap.add_argument("--out", default="runs/bench-recovery", help="output folder")
+    ap.add_argument("--scaling", action="store_true", help="also measure recovery time against shard size")
+    ap.add_argument("--scaling-only", action="store_true", help="only the shard-size scaling figures")
+    ap.add_argument(
+        "--scaling-sizes",
+        default="64MB,256MB,1GB",
+        type=lambda s: s.split(","),
+        help="comma-separated bytes of rows per shard",
+    )
+    ap.add_argument("--scaling-shards", type=int, default=2, help="shards in the scaling runs")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    if not args.scaling_only:
+        bench_strategies(args)
+    if args.scaling or args.scaling_only:
+        bench_scaling(args)
+    return 0
