@@ -1,0 +1,39 @@
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from recsys.bench import failure_schedule, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_failure_schedule_is_seeded_and_in_range():
+    a = failure_schedule(1000, 0.01, 4, seed=3)
+    assert a == failure_schedule(1000, 0.01, 4, seed=3) and a != failure_schedule(1000, 0.01, 4, seed=4)
+    assert 3 <= len(a) <= 25
+    for spec in a:
+        shard, step = spec.removeprefix("shard:").split("@step=")
+        assert 0 <= int(shard) < 4 and 2 <= int(step) < 1000
+    assert failure_schedule(10, 0.0, 2, seed=0) == ["shard:" + failure_schedule(10, 0.0, 2, seed=0)[0][6:]]
+    assert parse_size("64MB") == 64 * 10**6 and parse_size("1GB") == 10**9
+
+
+def test_bench_recovery_writes_its_table_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_recovery.py", "--steps", "40", "--checkpoint-every", "10", "--batch-size", "256",
+         "--rows-per-table", "2000", "--failure-rate", "0.05", "--strategies", "partial,log", "--shards", "3",
+         "--eval-samples", "4096", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["strategy"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    assert list(rows) == ["none", "partial", "log"]
+    assert int(rows["partial"]["failures"]) == int(rows["log"]["failures"]) >= 1
+    assert float(rows["log"]["pls"]) == 0.0 and float(rows["log"]["auc_change"]) == 0.0  # exact
+    assert float(rows["partial"]["pls"]) > 0 and int(rows["partial"]["lost_updates"]) > 0
+    assert int(rows["log"]["bytes_written"]) > int(rows["partial"]["bytes_written"]) > 0
+    assert float(rows["none"]["overhead_pct"]) == 0.0
+    assert "| strategy |" in (out / "results.md").read_text() and "| strategy |" in proc.stdout
+    assert (out / "overhead_vs_auc.png").read_bytes()[:4] == b"\x89PNG"
