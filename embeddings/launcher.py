@@ -151,6 +151,7 @@ def spawn_shard(spec: ShardSpec, *, die_with_parent: bool, timeout_s: float = 30
     ``LocalShards`` that owns the folder stops it at the end.
     """
     conf = write_shard_config(spec)
+    _wait_port_free(spec.host, spec.port, timeout_s)
     proc = subprocess.Popen(
         [spec.binary, str(conf)],
         stdin=subprocess.DEVNULL,
@@ -165,6 +166,23 @@ def spawn_shard(spec: ShardSpec, *, die_with_parent: bool, timeout_s: float = 30
         _stop_process(proc)
         raise LauncherError(f"shard {spec.index} on {spec.host}:{spec.port} did not start: {why}")
     return proc
+
+
+def _wait_port_free(host: str, port: int, timeout_s: float) -> None:
+    """A replacement takes over its shard's port: wait (bounded) until nothing listens there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise LauncherError(
+                        f"port {host}:{port} is still in use ({e}); cannot start the shard there"
+                    ) from None
+        time.sleep(0.02)
 
 
 def _stop_process(proc: subprocess.Popen) -> None:
@@ -190,10 +208,38 @@ def _kill_pidfile(spec: ShardSpec, known_pid: int | None) -> None:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"redis" not in f.read():
                 return  # the pid was reused by something else
+    except OSError:
+        return
+    kill_and_wait(pid)
+
+
+def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL ``pid`` (continuing it first if stopped) and wait until it is gone or a zombie: its
+    port is free once this returns."""
+    try:
         os.kill(pid, signal.SIGCONT)
         os.kill(pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
-        pass
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = process_state(pid)
+        if state is None or state == "Z":
+            return
+        time.sleep(0.01)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``/proc/PID/stat`` (R, S, T, Z, ...), or None when there is no such process.
+
+    The command name comes in parentheses and may hold spaces (redis-server renames itself
+    ``redis-server 127.0.0.1:PORT``), so the state is read after the last ')'.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class LocalShards:
@@ -292,8 +338,9 @@ class LocalShards:
 
     # -- failures -----------------------------------------------------------------------
     def kill(self, i: int) -> None:
-        """SIGKILL shard ``i``: its rows are gone."""
+        """SIGKILL shard ``i`` (whichever process serves it now, a replacement included): its rows are gone."""
         shard = self._shards[i]
+        _kill_pidfile(self.spec(i), shard.proc.pid if shard.proc is not None else None)
         if shard.proc is not None and shard.proc.poll() is None:
             shard.proc.kill()
             shard.proc.wait(timeout=10)

@@ -16,9 +16,7 @@ Strategies:
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from embeddings import RedisStore, ShardUnavailableError
-from embeddings.launcher import ShardSpec, spawn_shard
+from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
@@ -175,22 +173,8 @@ class RecoveryManager:
 
     def _kill(self, spec: ShardSpec) -> None:
         pid = read_pid(spec.pidfile)
-        if pid is None:
-            return
-        try:
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.time() + 10
-        while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split()[2] == "Z":
-                        break
-            except OSError:
-                break
-            time.sleep(0.01)
+        if pid is not None:
+            kill_and_wait(pid)
 
     def _checkpoint_for(self, shards: list[int], record: dict) -> Checkpoint | None:
         if self.checkpointer is None:

@@ -185,6 +185,7 @@ def bench_scaling(args) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     dim = 64
+    rng = np.random.default_rng(0)
     for size in tqdm(args.scaling_sizes, desc="scaling", unit="size"):
         nbytes = parse_size(size)
         per_shard = max(1, nbytes // (4 * dim))
@@ -196,7 +197,8 @@ def bench_scaling(args) -> list[dict]:
             total = per_shard * args.scaling_shards
             for lo in range(0, total, chunk):
                 ids = np.arange(lo, min(total, lo + chunk))
-                store.write_rows("t", ids, np.full((len(ids), dim), 0.5, np.float32))
+                # random rows: a snapshot of constant rows would compress to nothing
+                store.write_rows("t", ids, rng.standard_normal((len(ids), dim), dtype=np.float32))
             ckpt_dir = out / f"scaling-{size}"
             ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store.client, run=ns)
             ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": ns})

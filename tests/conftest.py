@@ -3,17 +3,13 @@ import uuid
 
 import pytest
 
-from embeddings.launcher import LocalShards
+from embeddings.launcher import LocalShards, process_state
 
 _STARTED_PIDS: set[int] = set()
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,32 @@ def test_failure_schedule_is_seeded_and_in_range():
 def test_bench_recovery_writes_its_table_and_plot(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_recovery.py", "--steps", "40", "--checkpoint-every", "10", "--batch-size", "256",
-         "--rows-per-table", "2000", "--failure-rate", "0.05", "--strategies", "partial,log", "--shards", "3",
-         "--eval-samples", "4096", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "scripts/bench_recovery.py",
+            "--steps",
+            "40",
+            "--checkpoint-every",
+            "10",
+            "--batch-size",
+            "256",
+            "--rows-per-table",
+            "2000",
+            "--failure-rate",
+            "0.05",
+            "--strategies",
+            "partial,log",
+            "--shards",
+            "3",
+            "--eval-samples",
+            "4096",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["strategy"]: r for r in csv.DictReader(open(out / "results.csv"))}

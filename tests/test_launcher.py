@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from embeddings.launcher import LauncherError, LocalShards
+from embeddings.launcher import LauncherError, LocalShards, process_state
 from tests.conftest import _pid_alive, track
 
 
@@ -23,8 +23,7 @@ def test_start_stop_and_failures_act_on_real_processes():
         assert c.config_get("bind")["bind"] == "127.0.0.1"
         assert c.config_get("save")["save"] == ""
         sh.stall(1)
-        with open(f"/proc/{pids[1]}/stat") as f:
-            assert f.read().split()[2] == "T"  # stopped
+        assert process_state(pids[1]) == "T"  # stopped
         with pytest.raises(redis.TimeoutError):
             c.get("k")
         sh.resume(1)
