@@ -66,11 +66,11 @@ class RecoveryManager:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"recovery strategy {self.strategy!r} must be one of {STRATEGIES}")
-        self.counter = self.counter or UpdateCounter(len(self.shards))
-        self._flags = np.zeros(len(self.shards), dtype=np.int64)
+        self.counter = self.counter or UpdateCounter(self.store.num_shards)
+        self._flags = np.zeros(self.store.num_shards, dtype=np.int64)
         self._detected: dict[int, float] = {}
-        self._lost_base = np.zeros(len(self.shards), dtype=np.int64)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.shards)), thread_name_prefix="apply")
+        self._lost_base = np.zeros(self.store.num_shards, dtype=np.int64)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.store.num_shards), thread_name_prefix="apply")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -95,10 +95,10 @@ class RecoveryManager:
 
     # -- accounting ------------------------------------------------------------------------------
     def count_updates(self, updated: dict[str, np.ndarray]) -> None:
-        per_shard = np.zeros(len(self.shards), dtype=np.int64)
+        per_shard = np.zeros(self.store.num_shards, dtype=np.int64)
         for name, ids in updated.items():
             t = self.store.tables.index(name)
-            per_shard += np.bincount(self.store.shard_map.shard_of(t, ids), minlength=len(self.shards))
+            per_shard += np.bincount(self.store.shard_map.shard_of(t, ids), minlength=self.store.num_shards)
             if self.priority is not None:
                 self.priority.observe(t, ids)
         self.counter.add(per_shard)
@@ -149,6 +149,12 @@ class RecoveryManager:
         the trainers must roll back to; otherwise None (the interrupted step resumes)."""
         rollback = -1
         records = []
+        if not self.shards:
+            s = failed[0]
+            raise RecoveryError(
+                f"shard {s} at {self.store.endpoint(s)} failed; restarting and restoring a shard needs shards "
+                "this project started (--redis local): bring that Redis back and resume the run"
+            )
         if self.rank == 0:
             if self.strategy == "full":
                 rollback, records = self._recover_full(failed, step)
@@ -156,7 +162,7 @@ class RecoveryManager:
                 records = [self._recover_one(s, step) for s in failed]
         rollback = self.collective.broadcast_int(rollback)
         self.collective.barrier()
-        for s in range(len(self.shards)) if self.strategy == "full" else failed:
+        for s in range(self.store.num_shards) if self.strategy == "full" else failed:
             self.store.reconnect(s)  # connections to the old processes are dead
         self.drain()
         done = time.time()
@@ -281,7 +287,7 @@ class RecoveryManager:
         rec = self._base_record(("shard", failed[0]), step)
         rec["kind"] = self._kind(failed[0])
         rec["failed_shards"] = failed
-        ckpt = self._checkpoint_for(list(range(len(self.shards))), rec)
+        ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec)
         if ckpt is None:
             raise RecoveryError("full recovery needs a checkpoint (--checkpoint-every K)")
         ckpt.verify()  # dense files too

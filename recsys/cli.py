@@ -178,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: trainers and shards stopped", file=sys.stderr)
         return 130
+    except Exception as e:  # torch elastic turns SIGINT/SIGTERM into SignalException after stopping the trainers
+        if type(e).__name__ == "SignalException":
+            print(f"interrupted ({e}): trainers and shards stopped", file=sys.stderr)
+            return 130
+        raise
     if summary is not None:
         ceiling = summary["ceiling_auc"]
         print(

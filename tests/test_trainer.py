@@ -153,3 +153,61 @@ def test_toml_config_round_trip_and_flag_override(tmp_path):
     path.write_text("[train]\nstepz = 3\n")
     with pytest.raises(ConfigError, match=r"c.toml: unknown field\(s\) \['stepz'\] in \[train\]"):
         RunConfig.from_toml(path)
+
+
+def test_torchrun_joins_shards_that_already_run(tmp_path):
+    import os
+
+    from embeddings import LocalShards
+    from embeddings.launcher import free_port
+    from tests.conftest import track
+
+    with LocalShards(2) as sh:
+        track(sh)
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{free_port()}",
+                "--rdzv-id",
+                "t1",
+                "-m",
+                "recsys",
+                "train",
+                "--redis",
+                ",".join(sh.urls),
+                "--steps",
+                "10",
+                "--rows-per-table",
+                "1000",
+                "--batch-size",
+                "64",
+                "--eval-every",
+                "0",
+                "--eval-samples",
+                "1024",
+                "--out",
+                str(tmp_path / "r"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+        assert summary["trainers"] == 2 and summary["shards"] == 2 and summary["steps_completed"] == 10
+        import redis
+
+        keys = sum(redis.Redis.from_url(u).dbsize() for u in sh.urls)
+        assert keys > 100  # the rows live in the shards we started
