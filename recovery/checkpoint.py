@@ -27,6 +27,7 @@ import redis
 
 from embeddings.launcher import ShardSpec
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
+from recovery.files import fsync_dir, write_atomic
 
 MANIFEST = "manifest.json"
 
@@ -52,22 +53,8 @@ def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 @dataclass

@@ -29,6 +29,7 @@ import crc32c
 import numpy as np
 
 from recovery.errors import RecoveryError
+from recovery.files import fsync_dir, write_atomic
 
 MAGIC = 0x52454331
 _HEADER = struct.Struct("<III")
@@ -116,7 +117,7 @@ class ShardLog:
         if path.exists():
             self.num_cut_bytes += repair(path)
         self._file = open(path, "ab")
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def append_step(self, step: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> int:
         """Group commit of one step's updates (table, ids, new rows); returns bytes written."""
@@ -147,7 +148,7 @@ class ShardLog:
             records, _ = scan(seg)
             keep = b"".join(encode_record(r.step, r.table, r.ids, r.rows) for r in records if r.step <= step)
             if len(keep) != seg.stat().st_size:
-                _write_atomic(seg, keep)
+                write_atomic(seg, keep)
 
     def drop_before(self, step: int) -> list[Path]:
         """Remove segments whose updates all precede ``step`` (a newer checkpoint covers them)."""
@@ -158,7 +159,7 @@ class ShardLog:
                 seg.unlink()
                 dropped.append(seg)
         if dropped:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return dropped
 
     def close(self) -> None:
@@ -180,21 +181,3 @@ def repair(path: Path) -> int:
             f.flush()
             os.fsync(f.fileno())
     return size - end
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

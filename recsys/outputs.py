@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from recovery.files import write_atomic
 from recsys.config import RunConfig
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def embedding_digest(tables: Iterable[tuple[str, Iterable[np.ndarray]]]) -> str:
@@ -42,7 +33,7 @@ class RunOutputs:
     def __init__(self, cfg: RunConfig, append: bool = False) -> None:
         self.dir = Path(cfg.train.out)
         (self.dir / "plots").mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.dir / "config.toml", cfg.to_toml())
+        write_atomic(self.dir / "config.toml", cfg.to_toml())
         path = self.dir / "metrics.jsonl"
         # a restarted trainer group continues the run's metrics
         self.records: list[dict] = (
@@ -57,7 +48,7 @@ class RunOutputs:
 
     def finish(self, summary: dict) -> None:
         self._metrics.close()
-        _atomic_write(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_training(self.records, summary, self.dir / "plots" / "training.png")
 
 
