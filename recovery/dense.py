@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,11 +38,12 @@ class DenseSaver:
         self.num_saves = 0
         self.seconds = 0.0
 
-    def save(self, step: int, state: dict) -> None:
+    def save(self, step: int, state: Callable[[], dict]) -> None:
+        """``state()`` is called only here, on the writer: trainers that do not save pay nothing."""
         self.wait()
         if not self.writer:
             return
-        snapshot = {"namespace": self.namespace, "step": step, **_clone(state)}
+        snapshot = {"namespace": self.namespace, "step": step, **_clone(state())}
         self._thread = threading.Thread(target=self._write, args=(snapshot,), name="dense-save", daemon=True)
         self._thread.start()
 
@@ -81,7 +83,7 @@ class NoDenseSaver:
     num_saves = 0
     seconds = 0.0
 
-    def save(self, step: int, state: dict) -> None:
+    def save(self, step: int, state: Callable[[], dict]) -> None:
         pass
 
     def wait(self) -> None:

@@ -396,9 +396,9 @@ def train(
             opt.step()
             if world_size > 1:
                 dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
-            dense_saver.save(
+            dense_saver.save(  # the state is built only where it is saved (rank 0, restarts on)
                 step,
-                {
+                lambda step=step: {
                     **dense_state(),
                     "reader": resume_position(step),
                     "recovery": recovery.state(),
