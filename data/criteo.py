@@ -17,13 +17,14 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data.errors import DataError, MalformedLineError
+from data.errors import CorruptFileError, DataError, MalformedLineError
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -39,6 +40,16 @@ def _open_text(path: str | os.PathLike) -> io.TextIOBase:
     if path.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="ascii", newline="\n")
     return open(path, encoding="ascii", newline="\n")
+
+
+def _numbered_lines(path: str, f) -> Iterator[tuple[int, str]]:
+    """``enumerate(f, 1)`` that turns a truncated or corrupt gzip stream into one clear error."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, start=1):  # noqa: B007 - lineno is reported below
+            yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise CorruptFileError.at(path, lineno, e) from None
 
 
 def parse_line(line: str, path: str, lineno: int) -> tuple[int, list[int], list[int]]:
@@ -125,7 +136,7 @@ class CriteoTsvReader:
         dense: list[list[int]] = []
         sparse: list[list[int]] = []
         with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
+            for lineno, line in _numbered_lines(path, f):
                 try:
                     lab, d, s = parse_line(line, path, lineno)
                 except MalformedLineError as e:
@@ -159,8 +170,11 @@ def count_lines(path: str | os.PathLike) -> int:
     n = 0
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
-        while block := f.read(1 << 22):
-            n += block.count(b"\n")
+        try:
+            while block := f.read(1 << 22):
+                n += block.count(b"\n")
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise CorruptFileError.at(path, n, e) from None
     return n
 
 

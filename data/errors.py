@@ -15,3 +15,14 @@ class MalformedLineError(DataError):
         self.lineno = lineno
         self.reason = reason
         super().__init__(f"{path}:{lineno}: {reason}")
+
+
+class CorruptFileError(DataError):
+    """A compressed file that ends early or does not decompress; names the file and where it broke."""
+
+    @classmethod
+    def at(cls, path, after_line: int, e: Exception) -> CorruptFileError:
+        return cls(
+            f"{path}: compressed data ends or breaks after line {after_line} ({e or type(e).__name__}); "
+            "the file is truncated or damaged: download or copy it again"
+        )

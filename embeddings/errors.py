@@ -56,3 +56,7 @@ class RowRangeError(EmbeddingStoreError, IndexError):
 
 class DimMismatchError(EmbeddingStoreError, ValueError):
     """A gradient or row block whose width does not match the table's dim."""
+
+
+class EndpointError(EmbeddingStoreError):
+    """A ``--redis`` endpoint that cannot serve the run (checked before any trainer starts)."""

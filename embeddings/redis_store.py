@@ -124,6 +124,8 @@ class RedisStore(StoreBase):
             msg = str(e)
             if "WRONGPASS" in msg or "NOAUTH" in msg or "NOPERM" in msg:
                 raise StoreAuthError(shard, endpoint, msg) from None
+            if msg.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN")):  # up, not ready yet: unavailable for now
+                raise ShardUnavailableError(shard, endpoint, msg) from None
             raise ShardDataError(f"shard {shard} at {endpoint}: {msg}") from None
 
     def _on_shards(self, work: dict[int, Callable[[], T]]) -> dict[int, T]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import redis
 
+from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import ShardSpec
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.files import fsync_dir, write_atomic
@@ -114,8 +115,13 @@ class SaveStats:
 class Checkpointer:
     """Takes and finds checkpoints. ``save`` is called by every trainer at the same step.
 
-    ``shards``: specs of the local shards (rank 0 snapshots them); ``client(s)`` gives a redis
-    client for shard s; ``barrier`` synchronises trainers (no-op with one).
+    ``shards``: specs of the local shards (rank 0 snapshots them); ``store``: the run's
+    ``RedisStore`` (its ``call`` maps a dead shard to ``ShardUnavailableError``, so the fork runs
+    under the recovery protocol); ``barrier`` synchronises trainers (no-op with one).
+
+    Under the protocol a save is two halves: ``begin`` (rank 0 forks every shard's snapshot: the
+    store calls that can fail) and, once the trainers committed, ``finish`` (the dense state and
+    the background copy). ``save`` does both, for callers without a protocol.
     """
 
     def __init__(
@@ -123,7 +129,7 @@ class Checkpointer:
         directory: str | os.PathLike,
         keep: int,
         shards: list[ShardSpec],
-        client: Callable[[int], object],
+        store,
         rank: int = 0,
         barrier: Callable[[], None] = lambda: None,
         on_saved: Callable[[Checkpoint], None] = lambda c: None,
@@ -137,33 +143,67 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.shards = shards
-        self.client = client
+        self.store = store
         self.rank = rank
         self.barrier = barrier
         self.on_saved = on_saved
         self.snapshot_timeout_s = snapshot_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._begun: tuple[int, float, dict[int, int]] | None = None
+        self.on_fork: Callable[[int], None] = lambda shard: None  # after each shard's fork (injection)
         self.history: list[SaveStats] = []
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step_{step:010d}"
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, step: int, dense_state: dict, meta: dict) -> SaveStats:
+        self.begin(step)
+        self.barrier()  # no trainer writes a row before every shard forked
+        return self.finish(step, dense_state, meta)
+
+    def begin(self, step: int, only=None) -> None:
+        """Rank 0: fork every shard's snapshot (BGSAVE): the snapshot point. Raises
+        ``ShardUnavailableError`` for a dead shard; call again after its recovery."""
+        self.wait()  # one checkpoint in flight at a time
+        t0 = self._begun[1] if self._begun is not None and self._begun[0] == step else time.perf_counter()
+        self._begun = (step, t0, {})
+        if self.rank != 0:
+            return
+        path = self.path(step)
+        if path.exists():
+            shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
+        path.mkdir(parents=True)
+        saves_before = {}
+        for spec in self.shards:
+            saves_before[spec.index] = self.store.call(spec.index, lambda c: self._fork(c))
+            self.on_fork(spec.index)
+        self._begun = (step, t0, saves_before)
+
+    def _fork(self, client) -> int:
+        """BGSAVE once no snapshot is in progress; -> the server's save count before it."""
+        deadline = time.monotonic() + self.snapshot_timeout_s
+        while True:
+            info = client.info("persistence")
+            if not int(info["rdb_bgsave_in_progress"]):
+                break
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"a snapshot still runs after {self.snapshot_timeout_s}s")
+            time.sleep(0.005)
+        client.bgsave()
+        return int(info["rdb_saves"])
+
+    def finish(self, step: int, dense_state: dict, meta: dict) -> SaveStats:
+        """Every trainer, after ``begin`` committed: the dense state (DCP), then the copy off the path."""
         import torch.distributed.checkpoint as dcp
 
-        self.wait()  # one checkpoint in flight at a time
+        if self._begun is None or self._begun[0] != step:
+            raise RecoveryError(f"checkpoint step {step}: finish without begin")
+        _, t0, saves_before = self._begun
+        self._begun = None
         stats = SaveStats(step=step)
-        t0 = time.perf_counter()
-        path = self.dir / f"step_{step:010d}"
-        saves_before = {}
-        if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
-            path.mkdir(parents=True)
-            for spec in self.shards:
-                c = self.client(spec.index)
-                saves_before[spec.index] = int(c.info("persistence")["rdb_saves"])
-                c.bgsave()  # fork: the snapshot point
-        self.barrier()  # no trainer writes a row before every shard forked
+        path = self.path(step)
         dcp.save(dense_state, checkpoint_id=str(path / "dense"))
         stats.pause_s = time.perf_counter() - t0
         if self.rank == 0:
@@ -196,7 +236,7 @@ class Checkpointer:
             for old in list_checkpoints(self.dir, self.run)[self.keep :]:
                 shutil.rmtree(old.path, ignore_errors=True)
             self.on_saved(ckpt)
-        except (redis.RedisError, OSError, RecoveryError) as e:
+        except (redis.RedisError, OSError, RecoveryError, EmbeddingStoreError) as e:
             # a shard failed before its snapshot was safe: this checkpoint is abandoned (it never
             # gets a manifest); the previous one stays the newest
             stats.abandoned = f"{type(e).__name__}: {e}"
@@ -205,10 +245,9 @@ class Checkpointer:
             self._error = e
 
     def _wait_snapshot(self, spec: ShardSpec, saves_before: int) -> None:
-        c = self.client(spec.index)
         deadline = time.monotonic() + self.snapshot_timeout_s
         while time.monotonic() < deadline:
-            info = c.info("persistence")
+            info = self.store.call(spec.index, lambda c: c.info("persistence"))
             if int(info["rdb_saves"]) > saves_before and int(info["rdb_bgsave_in_progress"]) == 0:
                 if info["rdb_last_bgsave_status"] != "ok":
                     raise RecoveryError(f"shard {spec.index} (port {spec.port}): background snapshot failed")
@@ -226,6 +265,14 @@ class Checkpointer:
             raise e
 
     # -- finding and loading -----------------------------------------------------------------
+    def load(self, step: int, dense_state: dict) -> dict:
+        """Fill ``dense_state`` in place from checkpoint ``step`` (DCP); -> the checkpoint's meta."""
+        import torch.distributed.checkpoint as dcp
+
+        path = self.path(step)
+        dcp.load(dense_state, checkpoint_id=str(path / "dense"))
+        return json.loads((path / "meta.json").read_text())
+
     def candidates(self) -> list[Checkpoint]:
         return list_checkpoints(self.dir, self.run)
 

@@ -1,13 +1,18 @@
-"""Failure injection on real processes and files.
+"""Failure injection on real processes and files, at a step, at a wall-clock moment, or during a phase.
 
-Specs (``--inject``, several allowed):
+Specs (``--inject``, several allowed). ``WHEN`` is ``step=N`` (the start of step N), ``t=S`` (S
+seconds after training started, fired from a timer wherever the trainers are) or, for shard kills,
+``during=PHASE`` (checkpoint | eval | recovery | resume: inside that phase, the first time it runs):
 
-- ``shard:K@step=N``        SIGKILL shard K at the start of step N
-- ``stall:K@step=N:SECS``   SIGSTOP shard K at the start of step N, SIGCONT after SECS seconds
-- ``trainer:R@step=N``      trainer rank R SIGKILLs itself in step N, after its own shard writes
-                            (first attempt only: the restarted group replays the step)
-- ``corrupt-checkpoint:latest[@step=N]``  flip bytes in a shard file of the newest checkpoint at
-                            step N (default: just before the first restore reads it)
+- ``shard:K@WHEN``          SIGKILL shard K
+- ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds
+- ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
+- ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
+- ``corrupt-checkpoint:latest[@step=N]``  flip bytes in a shard file of the newest checkpoint at step N
+                            (default: just before the first restore reads it)
+
+Each injection fires once per run: fired ones are appended to ``{run}/injections.jsonl`` (which also
+holds the run's time origin), so a restarted trainer group neither repeats nor forgets them.
 """
 
 from __future__ import annotations
@@ -22,46 +27,78 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recovery.errors import InjectionSpecError
+from recovery.files import write_atomic
 
+PHASES = ("checkpoint", "eval", "recovery", "resume")
+FIRED = "injections.jsonl"
+TRAINER_FAILURE = "trainer_failure.json"
+_WHEN = r"(?:step=(\d+)|t=(\d+(?:\.\d+)?)|during=(" + "|".join(PHASES) + r"))"
 _PATTERNS = {
-    "shard": re.compile(r"shard:(\d+)@step=(\d+)"),
-    "stall": re.compile(r"stall:(\d+)@step=(\d+):(\d+(?:\.\d+)?)"),
-    "trainer": re.compile(r"trainer:(\d+)@step=(\d+)"),
+    "shard": re.compile(r"shard:(\d+)@" + _WHEN),
+    "stall": re.compile(r"stall:(\d+)@" + _WHEN + r":(\d+(?:\.\d+)?)"),
+    "trainer": re.compile(r"trainer:(\d+)@" + _WHEN),
+    "node": re.compile(r"node:(\d+)@" + _WHEN),
     "corrupt-checkpoint": re.compile(r"corrupt-checkpoint:latest(?:@step=(\d+))?"),
 }
+USAGE = (
+    "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
+    f"during={'|'.join(PHASES)}) or corrupt-checkpoint:latest[@step=N]"
+)
 
 
 @dataclass(frozen=True)
 class Injection:
-    kind: str  # shard | stall | trainer | corrupt-checkpoint
+    kind: str  # shard | stall | trainer | node | corrupt-checkpoint
     target: int | None
     step: int | None
-    seconds: float = 0.0
+    seconds: float = 0.0  # stall length
+    t: float | None = None  # wall-clock moment, seconds after training started
+    during: str | None = None  # a phase
+
+    @property
+    def when(self) -> str:
+        if self.t is not None:
+            return f"t={self.t:g}"
+        if self.during is not None:
+            return f"during={self.during}"
+        return f"step={self.step}"
 
     def __str__(self) -> str:
-        return {
-            "shard": f"shard:{self.target}@step={self.step}",
-            "stall": f"stall:{self.target}@step={self.step}:{self.seconds:g}",
-            "trainer": f"trainer:{self.target}@step={self.step}",
-            "corrupt-checkpoint": "corrupt-checkpoint:latest" + (f"@step={self.step}" if self.step else ""),
-        }[self.kind]
+        if self.kind == "corrupt-checkpoint":
+            return "corrupt-checkpoint:latest" + (f"@step={self.step}" if self.step else "")
+        tail = f":{self.seconds:g}" if self.kind == "stall" else ""
+        return f"{self.kind}:{self.target}@{self.when}{tail}"
+
+    def shards(self, world_size: int, num_shards: int) -> list[int]:
+        """The shards this injection takes down."""
+        if self.kind in ("shard", "stall"):
+            return [self.target]
+        if self.kind == "node":
+            return [s for s in range(num_shards) if s % world_size == self.target]
+        return []
 
 
 def parse_injection(spec: str) -> Injection:
     spec = spec.strip()
     for kind, pat in _PATTERNS.items():
         m = pat.fullmatch(spec)
-        if m:
-            g = m.groups()
-            if kind == "stall":
-                return Injection(kind, int(g[0]), int(g[1]), float(g[2]))
-            if kind == "corrupt-checkpoint":
-                return Injection(kind, None, int(g[0]) if g[0] else None)
-            return Injection(kind, int(g[0]), int(g[1]))
-    raise InjectionSpecError(
-        f"--inject {spec!r}: expected shard:K@step=N, trainer:R@step=N, stall:K@step=N:SECONDS "
-        "or corrupt-checkpoint:latest[@step=N]"
-    )
+        if not m:
+            continue
+        g = m.groups()
+        if kind == "corrupt-checkpoint":
+            return Injection(kind, None, int(g[0]) if g[0] else None)
+        target, step, t, during = int(g[0]), g[1], g[2], g[3]
+        if during is not None and kind != "shard":
+            raise InjectionSpecError(f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...)")
+        return Injection(
+            kind,
+            target,
+            int(step) if step is not None else None,
+            float(g[4]) if kind == "stall" else 0.0,
+            float(t) if t is not None else None,
+            during,
+        )
+    raise InjectionSpecError(f"--inject {spec!r}: {USAGE}")
 
 
 def read_pid(pidfile: Path) -> int | None:
@@ -84,63 +121,180 @@ def corrupt_file(path: Path) -> None:
 
 
 class Injector:
-    """Fires the injections of this trainer at their steps; records when each fired."""
+    """Fires this trainer's injections; records durably which fired and when.
+
+    Rank 0 fires shard kills, stalls and checkpoint corruption; trainer R fires ``trainer:R`` and
+    ``node:R``. Call ``start(fresh)`` once the trainers agree the run started (it arms the timers),
+    ``at_step`` at each step's start, ``during(phase)`` inside the phases, ``close()`` at the end.
+    """
 
     def __init__(
-        self, injections: list[Injection], rank: int, shard_pidfiles: list[Path], run_dir: Path, restart_count: int = 0
+        self,
+        injections: list[Injection],
+        rank: int,
+        shard_pidfiles: list[Path],
+        run_dir: Path,
+        world_size: int = 1,
     ) -> None:
         self.injections = list(injections)
         self.rank = rank
+        self.world_size = world_size
         self.pidfiles = shard_pidfiles
-        self.run_dir = run_dir
-        self.restart_count = restart_count
-        self.fired_at: dict[int, float] = {}  # shard -> time it was failed
-        self._done: set[Injection] = set()
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / FIRED
+        self.step = 0  # the step the trainer is in (timers record it)
+        self.t0 = time.time()
         self.corrupted: list[str] = []
+        self._lock = threading.Lock()
+        self._timers: list[threading.Timer] = []
+        self._fired: dict[str, dict] = {}
 
-    def at_step(self, step: int, latest_checkpoint_file=None) -> None:
-        """Start of a step: shard kills, stalls and checkpoint corruption (rank 0 acts)."""
+    # -- bookkeeping --------------------------------------------------------------------------
+    def start(self, fresh: bool, barrier=lambda: None) -> None:
+        """Fresh run: rank 0 sets the time origin; then every trainer loads it and arms its timers."""
+        if fresh and self.rank == 0:
+            write_atomic(self.path, json.dumps({"t0": time.time()}) + "\n")
+        barrier()
+        self._load()
         for inj in self.injections:
-            if inj in self._done or inj.step != step or self.rank != 0:
+            if inj.t is not None and self._mine(inj) and str(inj) not in self._fired:
+                delay = max(0.0, self.t0 + inj.t - time.time())
+                timer = threading.Timer(delay, self._fire, args=(inj,))
+                timer.daemon = True
+                timer.start()
+                self._timers.append(timer)
+
+    def _load(self) -> None:
+        self._fired = {}
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill
+            if "t0" in rec:
+                self.t0 = float(rec["t0"])
+            elif "spec" in rec:
+                self._fired[rec["spec"]] = rec
+
+    def _record(self, inj: Injection, shards: list[int]) -> dict:
+        rec = {"spec": str(inj), "kind": inj.kind, "target": inj.target, "shards": shards}
+        rec.update(step=self.step, time=time.time(), t=round(time.time() - self.t0, 3), rank=self.rank)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._fired[str(inj)] = rec
+        return rec
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+
+    def _mine(self, inj: Injection) -> bool:
+        if inj.kind in ("trainer", "node"):
+            return inj.target == self.rank
+        return self.rank == 0
+
+    def fired(self) -> list[dict]:
+        """Every injection fired in this run so far (any trainer, any attempt)."""
+        self._load()
+        return sorted(self._fired.values(), key=lambda r: r["time"])
+
+    def not_fired(self) -> list[str]:
+        self._load()
+        return [str(i) for i in self.injections if str(i) not in self._fired]
+
+    def _latest_on(self, shard: int) -> dict | None:
+        hits = [r for r in self.fired() if shard in r.get("shards", [])]
+        return hits[-1] if hits else None
+
+    def fired_at(self, shard: int) -> float | None:
+        rec = self._latest_on(shard)
+        return rec["time"] if rec is not None else None
+
+    def kind_of(self, shard: int) -> str:
+        rec = self._latest_on(shard)
+        return rec["kind"] if rec is not None else "shard"
+
+    # -- firing -------------------------------------------------------------------------------
+    def at_step(self, step: int, latest_checkpoint_file=None) -> None:
+        """Start of a step: step-scheduled shard kills, stalls, node failures and checkpoint corruption."""
+        self.step = step
+        for inj in self.injections:
+            if inj.step != step or inj.t is not None or inj.during is not None or not self._mine(inj):
                 continue
-            if inj.kind in ("shard", "stall"):
-                if inj.target >= len(self.pidfiles):
-                    raise InjectionSpecError(f"--inject {inj}: no shard {inj.target} (run has {len(self.pidfiles)})")
-                pid = read_pid(self.pidfiles[inj.target])
-                if pid is None:
-                    continue
-                self.fired_at[inj.target] = time.time()
-                if inj.kind == "shard":
-                    os.kill(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGSTOP)
-                    timer = threading.Timer(inj.seconds, _resume, args=(pid,))
-                    timer.daemon = True  # a run that recovered does not wait for the stall to end
-                    timer.start()
-                self._done.add(inj)
-            elif inj.kind == "corrupt-checkpoint" and latest_checkpoint_file is not None:
-                path = latest_checkpoint_file()
-                if path is not None:
-                    corrupt_file(path)
-                    self.corrupted.append(str(path))
-                    self._done.add(inj)
+            if inj.kind == "corrupt-checkpoint":
+                if latest_checkpoint_file is not None and str(inj) not in self._fired:
+                    self._corrupt(inj, latest_checkpoint_file)
+            elif inj.kind != "trainer":
+                self._fire(inj)
+
+    def mid_step(self, step: int) -> None:
+        """After this trainer's own shard writes: ``trainer:R@step=N``."""
+        for inj in self.injections:
+            if inj.kind == "trainer" and inj.step == step and inj.t is None and self._mine(inj):
+                self._fire(inj)
+
+    def during(self, phase: str, exclude: int | None = None) -> None:
+        for inj in self.injections:
+            if inj.during == phase and inj.target != exclude and self._mine(inj):
+                self._fire(inj)
 
     def before_restore(self, latest_checkpoint_file) -> None:
         for inj in self.injections:
-            if inj.kind == "corrupt-checkpoint" and inj.step is None and inj not in self._done and self.rank == 0:
-                path = latest_checkpoint_file()
-                if path is not None:
-                    corrupt_file(path)
-                    self.corrupted.append(str(path))
-                    self._done.add(inj)
+            if inj.kind == "corrupt-checkpoint" and inj.step is None and self.rank == 0:
+                if str(inj) not in self._fired:
+                    self._corrupt(inj, latest_checkpoint_file)
 
-    def mid_step(self, step: int) -> None:
-        """After this trainer's own shard writes: a trainer kill, on the first attempt only."""
-        for inj in self.injections:
-            if inj.kind == "trainer" and inj.target == self.rank and inj.step == step and self.restart_count == 0:
-                marker = self.run_dir / "trainer_failure.json"
-                marker.write_text(json.dumps({"rank": self.rank, "step": step, "time": time.time()}))
+    def _corrupt(self, inj: Injection, latest_checkpoint_file) -> None:
+        path = latest_checkpoint_file()
+        if path is not None:
+            corrupt_file(path)
+            self.corrupted.append(str(path))
+            self._record(inj, [])
+
+    def _fire(self, inj: Injection) -> None:
+        with self._lock:
+            if str(inj) in self._fired:
+                return
+            shards = inj.shards(self.world_size, len(self.pidfiles))
+            for s in shards:
+                if s >= len(self.pidfiles):
+                    raise InjectionSpecError(f"--inject {inj}: no shard {s} (run has {len(self.pidfiles)})")
+            if inj.kind in ("trainer", "node"):
+                rec = self._record(inj, shards)
+                marker = {"kind": inj.kind, "rank": self.rank, "step": self.step, "time": rec["time"], "shards": shards}
+                write_atomic(self.run_dir / TRAINER_FAILURE, json.dumps(marker))
+                for s in shards:
+                    _signal(self.pidfiles[s], signal.SIGKILL)
+                if shards:
+                    time.sleep(0.05)  # a moment later, the trainer goes down with its node
                 os.kill(os.getpid(), signal.SIGKILL)
+            pid = read_pid(self.pidfiles[inj.target])
+            if pid is None:
+                return
+            self._record(inj, shards)
+            if inj.kind == "shard":
+                _signal(self.pidfiles[inj.target], signal.SIGKILL)
+            else:
+                _signal(self.pidfiles[inj.target], signal.SIGSTOP)
+                timer = threading.Timer(inj.seconds, _resume, args=(pid,))
+                timer.daemon = True  # a run that recovered does not wait for the stall to end
+                timer.start()
+
+
+def _signal(pidfile: Path, sig: int) -> None:
+    pid = read_pid(pidfile)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # already gone
 
 
 def _resume(pid: int) -> None:

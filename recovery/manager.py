@@ -1,26 +1,35 @@
-"""The recovery manager: detects failed shards, restores them by strategy, accounts for losses.
+"""The recovery manager and its commit protocol: every store call of a run goes through it.
 
-Every trainer holds one. Store calls that can fail run under ``guard``; failures are exchanged at
-the step's commit points (``sync``, a MAX all-reduce of per-shard flags), so every trainer sees
-the same failed set at the same point and calls ``recover`` together. Rank 0 does the work
-(replacement process, restore, log replay); the others wait at a barrier.
+Every trainer holds one. A phase of a step (stage rows, write the sparse update, checkpoint,
+priority save, evaluate, final digest, restart rollback) runs its store calls under ``guard``:
+a shard that fails is recorded, not raised. At the phase's commit point (``commit``, a MAX
+all-reduce of per-shard flags) every trainer sees the same failed set and they recover together;
+rank 0 does the work (replacement process, restore, log replay, priority overlay) and then tells
+everyone one ``Outcome``: continue, retry the phase (on these shards), or roll back to step N.
+A shard that fails while another is being recovered is recovered in the same commit.
 
-Strategies:
+Strategies (``recovery.strategy.Strategy``):
 - ``partial`` (CPR): a replacement for the failed shard loads that shard's snapshot from the newest
   verified checkpoint; other shards and the dense model keep their state. Updates to the shard since
   that checkpoint are lost and counted.
+- ``partial-mfu`` / ``partial-ssu``: as ``partial``, then the newest priority save is overlaid.
 - ``log``: as ``partial``, then the shard's update log is replayed up to the failure: nothing lost.
 - ``full``: every shard is restored from the checkpoint, and the trainers roll the dense state and
-  the readers back to it (returned step) and recompute from there.
+  the readers back to it (``Outcome.to_step``) and recompute from there.
+
+Also here: what a trainer restart needs (``resume``: logs cut back, shards rolled back one step by
+their undo records, dead shards recovered), fresh-start cleanup, log retention and failure records.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +39,15 @@ from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
+from recovery.files import write_atomic
 from recovery.inject import Injector, read_pid
 from recovery.log import ShardLog
+from recovery.strategy import Strategy
 
-STRATEGIES = ("full", "partial", "partial-mfu", "partial-ssu", "log")
+STRATEGIES = tuple(s.value for s in Strategy)
+MAX_ATTEMPTS = 8  # retries of one phase before the run gives up (shards that keep failing)
+IN_RECOVERY = "recovery_in_progress.json"  # shards whose restore a dead trainer may have left half-done
+TRAINER_FAILURE = "trainer_failure.json"  # written just before a trainer is killed (injector, supervisor)
 
 
 @dataclass
@@ -44,11 +58,38 @@ class Collective:
     barrier: Callable[[], None] = lambda: None
     max_flags: Callable[[np.ndarray], np.ndarray] = lambda a: a
     broadcast_int: Callable[[int], int] = lambda v: v
+    sum_floats: Callable[[np.ndarray], np.ndarray] = lambda a: a
+
+
+class Action(Enum):
+    CONTINUE = "continue"
+    RETRY = "retry"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What every trainer does after a commit point."""
+
+    action: Action = Action.CONTINUE
+    recovered: tuple[int, ...] = ()
+    """Shards restored at this commit point."""
+    redo: tuple[int, ...] = ()
+    """Of those, the shards whose part of the phase must run again (their state is older than it)."""
+    to_step: int | None = None
+    """ROLLBACK: the checkpoint step the trainers return to."""
+
+    @property
+    def rolled_back(self) -> bool:
+        return self.action is Action.ROLLBACK
+
+
+CONTINUE = Outcome()
 
 
 @dataclass
 class RecoveryManager:
-    strategy: str
+    strategy: Strategy | str
     store: RedisStore
     shards: list[ShardSpec]
     rank: int
@@ -62,24 +103,31 @@ class RecoveryManager:
     lost: list[float] = field(default_factory=list)
     counter: UpdateCounter | None = None
     priority: object | None = None  # PrioritySaver (rank 0, partial-mfu / partial-ssu)
+    run_dir: Path | None = None  # where restart markers live
+    log_dir: Path | None = None  # every shard's logs (rank 0 replays and trims them)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"recovery strategy {self.strategy!r} must be one of {STRATEGIES}")
-        self.counter = self.counter or UpdateCounter(self.store.num_shards)
-        self._flags = np.zeros(self.store.num_shards, dtype=np.int64)
+        try:
+            self.strategy = Strategy(self.strategy)
+        except ValueError:
+            raise ValueError(f"recovery strategy {self.strategy!r} must be one of {STRATEGIES}") from None
+        n = self.store.num_shards
+        self.counter = self.counter or UpdateCounter(n)
+        self._flags = np.zeros(n, dtype=np.int64)
         self._detected: dict[int, float] = {}
-        self._lost_base = np.zeros(self.store.num_shards, dtype=np.int64)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.store.num_shards), thread_name_prefix="apply")
+        self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
+        self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
+        if self.log_dir is None and self.logs:
+            self.log_dir = next(iter(self.logs.values())).dir.parent
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for log in self.logs.values():
             log.close()
 
-    # -- detection -----------------------------------------------------------------------------
+    # -- the commit protocol --------------------------------------------------------------------
     def guard(self, fn: Callable[[], object]) -> tuple[bool, object]:
-        """Run a store call; a failed shard is recorded (not raised) for the next ``sync``."""
+        """Run a store call; a failed shard is recorded (not raised) for the next commit point."""
         try:
             return True, fn()
         except ShardUnavailableError as e:
@@ -88,10 +136,29 @@ class RecoveryManager:
             return False, None
 
     def sync(self) -> list[int]:
-        """Failed shards seen by any trainer since the last sync (a collective)."""
+        """Failed shards seen by any trainer since the last commit point (a collective)."""
         flags = self.collective.max_flags(self._flags.copy())
         self._flags[:] = 0
         return [int(s) for s in np.flatnonzero(flags)]
+
+    def commit(self, step: int, phase: str) -> Outcome:
+        """A commit point: all trainers agree on the failed shards; if any, they are recovered."""
+        failed = self.sync()
+        if not failed:
+            return CONTINUE
+        return self.recover_outcome(failed, step, phase)
+
+    def run_phase(self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object]) -> Outcome:
+        """Run ``fn(only)`` under the protocol until it commits: ``only`` is None on the first attempt,
+        then the shards whose part must run again. Returns CONTINUE or a ROLLBACK outcome."""
+        only = None
+        for _ in range(MAX_ATTEMPTS):
+            self.guard(lambda only=only: fn(only))
+            out = self.commit(step, phase)
+            if out.action is not Action.RETRY:
+                return out
+            only = out.redo
+        raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
     # -- accounting ------------------------------------------------------------------------------
     def count_updates(self, updated: dict[str, np.ndarray]) -> None:
@@ -107,6 +174,18 @@ class RecoveryManager:
         self.counter.mark(step)
         if self.priority is not None:
             self.priority.on_checkpoint(step)
+        for log in self.logs.values():
+            log.open_segment(step + 1)
+
+    def on_checkpoint_saved(self, ckpt: Checkpoint) -> None:
+        """Rank 0, after a manifest: log segments that every kept checkpoint covers can go. (Not just
+        those before the newest: if the newest turns out corrupt, log recovery falls back to an older
+        checkpoint and must still replay exactly.)"""
+        if self.log_dir is None or self.checkpointer is None:
+            return
+        oldest = min(k.step for k in self.checkpointer.candidates())
+        for s in range(self.store.num_shards):
+            ShardLog(self.log_dir, s).drop_before(oldest)
 
     def log_step(self, step: int, written: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
         """Group-commit this step's written rows to the logs of the shards this trainer writes."""
@@ -120,7 +199,7 @@ class RecoveryManager:
                     groups[s].append((t, ids[pos], rows[pos]))
         return sum(self.logs[s].append_step(step, g) for s, g in groups.items() if g)
 
-    def apply(self, owned: dict[str, tuple[np.ndarray, object]], step: int, only: list[int] | None = None) -> None:
+    def apply(self, owned: dict[str, tuple[np.ndarray, object]], step: int, only=None) -> None:
         """Write this step's rows of the shards this trainer owns, each shard on its own (a failed
         shard does not stop the others), then group-commit them to the shards' logs."""
         per_shard: dict[int, dict] = {}
@@ -139,30 +218,43 @@ class RecoveryManager:
             for sub in per_shard.values():
                 write(sub)
             return
-        futures = [self._pool.submit(write, sub) for sub in per_shard.values()]
-        for f in futures:
+        for f in [self._pool.submit(write, sub) for sub in per_shard.values()]:
             f.result()
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self, failed: list[int], step: int, phase: str) -> int | None:
         """Restore ``failed`` shards (all trainers call this together). ``full``: returns the step
-        the trainers must roll back to; otherwise None (the interrupted step resumes)."""
-        rollback = -1
-        records = []
+        the trainers must roll back to; otherwise None (the interrupted phase resumes)."""
+        return self.recover_outcome(failed, step, phase).to_step
+
+    def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
+        n = self.store.num_shards
         if not self.shards:
             s = failed[0]
             raise RecoveryError(
                 f"shard {s} at {self.store.endpoint(s)} failed; restarting and restoring a shard needs shards "
                 "this project started (--redis local): bring that Redis back and resume the run"
             )
+        # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
+        verdict = np.zeros(2 + 2 * n, dtype=np.int64)
+        records: list[dict] = []
+        error: Exception | None = None
         if self.rank == 0:
-            if self.strategy == "full":
-                rollback, records = self._recover_full(failed, step)
-            else:
-                records = [self._recover_one(s, step) for s in failed]
-        rollback = self.collective.broadcast_int(rollback)
-        self.collective.barrier()
-        for s in range(self.store.num_shards) if self.strategy == "full" else failed:
+            try:
+                rollback, restored_to, records = self._recover_on_rank0(failed, step)
+                verdict[1] = rollback + 1
+                for s, at in restored_to.items():
+                    verdict[2 + s] = 1
+                    verdict[2 + n + s] = int(at < step)
+            except Exception as e:  # noqa: BLE001 - every trainer must learn that recovery failed
+                verdict[0], error = 1, e
+        verdict = self.collective.max_flags(verdict)
+        if verdict[0]:
+            if error is not None:
+                raise error
+            raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
+        recovered = [int(s) for s in np.flatnonzero(verdict[2 : 2 + n])]
+        for s in range(n) if self.strategy.rolls_back else recovered:
             self.store.reconnect(s)  # connections to the old processes are dead
         self.drain()
         done = time.time()
@@ -170,12 +262,43 @@ class RecoveryManager:
             r["recovery_s"] = round(done - r.pop("_detected_at"), 4)
             r["phase"] = phase
             self.failures.append(r)
-        for s in failed:
+        for s in recovered:
             self._detected.pop(s, None)
-        if self.strategy == "full":
-            self.counter.total = self.counter.at_step.get(rollback, np.zeros_like(self.counter.total)).copy()
-            return rollback
-        return None
+        if verdict[1] > 0:
+            to = int(verdict[1]) - 1
+            self.counter.total = self.counter.at_step.get(to, np.zeros_like(self.counter.total)).copy()
+            return Outcome(Action.ROLLBACK, tuple(recovered), tuple(recovered), to)
+        return Outcome(Action.RETRY, tuple(recovered), tuple(int(s) for s in np.flatnonzero(verdict[2 + n :])))
+
+    def _recover_on_rank0(self, failed: list[int], step: int) -> tuple[int, dict[int, int], list[dict]]:
+        """-> (rollback step or -1, shard -> the step its state is now as of, failure records).
+        A shard that fails during the recovery of another is recovered in the same round."""
+        self._mark_in_recovery(failed)
+        if self.strategy.rolls_back:
+            rollback, rec = self._recover_full(failed, step)
+            self._mark_in_recovery([])
+            return rollback, dict.fromkeys(range(self.store.num_shards), rollback), [rec]
+        pending, restored_to, records = list(failed), {}, []
+        for _ in range(MAX_ATTEMPTS * self.store.num_shards):
+            if not pending:
+                break
+            s = pending.pop(0)
+            try:
+                rec, restored_to[s] = self._recover_one(s, step)
+                records.append(rec)
+            except ShardUnavailableError as e:  # a shard died while we restored (this one or another)
+                self._detected.setdefault(e.shard, time.time())
+                self._mark_in_recovery(sorted({*pending, s, e.shard}))
+                pending += [x for x in (e.shard, s) if x not in pending]
+        if pending:
+            raise RecoveryError(f"shards {pending} kept failing while being recovered at step {step}")
+        self._mark_in_recovery([])
+        return -1, restored_to, records
+
+    def _mark_in_recovery(self, shards: list[int]) -> None:
+        """Durable note of the shards being restored: a trainer restart redoes a restore cut short."""
+        if self.run_dir is not None:
+            write_atomic(self.run_dir / IN_RECOVERY, json.dumps(shards))
 
     def _kill(self, spec: ShardSpec) -> None:
         pid = read_pid(spec.pidfile)
@@ -213,38 +336,38 @@ class RecoveryManager:
             shutil.copyfile(src, spec.rdb_path)
             restored = src.stat().st_size
         spawn_shard(spec, die_with_parent=False)
+        self.store.reconnect(spec.index)
+        if self.injector is not None:
+            self.injector.during("recovery", exclude=spec.index)
         return restored
 
     def _base_record(self, kind_target: tuple[str, int], step: int) -> dict:
         kind, target = kind_target
         detected = self._detected.get(target, time.time())
-        fired = self.injector.fired_at.get(target) if self.injector is not None else None
+        fired = self.injector.fired_at(target) if self.injector is not None else None
         return {
             "kind": kind,
             "target": target,
             "step": step,
-            "strategy": self.strategy,
-            "detected_after_s": round(detected - fired, 4) if fired is not None else 0.0,
+            "strategy": str(self.strategy),
+            "detected_after_s": round(max(0.0, detected - fired), 4) if fired is not None else 0.0,
             "_detected_at": detected,
         }
 
     def _kind(self, shard: int) -> str:
-        if self.injector is not None:
-            for inj in self.injector.injections:
-                if inj.target == shard and inj.kind in ("shard", "stall") and inj in self.injector._done:
-                    return inj.kind
-        return "shard"
+        return self.injector.kind_of(shard) if self.injector is not None else "shard"
 
-    def _recover_one(self, shard: int, step: int) -> dict:
+    def _recover_one(self, shard: int, step: int) -> tuple[dict, int]:
+        """-> (failure record, the step the shard's rows are now as of)."""
         spec = self.shards[shard]
         rec = self._base_record((self._kind(shard), shard), step)
         ckpt = self._checkpoint_for([shard], rec)
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
         rec["restored_bytes"] = self._restore_shard(spec, ckpt)
-        since = self.counter.since(base_step)
-        if self.strategy == "log":
-            replayed = self._replay(shard, base_step)
+        as_of = base_step
+        if self.strategy.replays_log:
+            replayed, as_of = self._replay(shard, base_step)
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
@@ -253,37 +376,37 @@ class RecoveryManager:
                 nbytes, saved = self.priority.overlay(shard, base_step)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
-            lost_here = int(self.counter.total[shard] - max(self._base_total(base_step)[shard], self._lost_base[shard]))
             completed = step - 1  # the interrupted step resumes on the restored shard
-            samples_since = max(0, completed - base_step) * self.batch_size
-            rec["lost_updates"] = max(lost_here - saved, 0)
-            lost_share = max(int(since[shard]) - saved, 0)
-            rec["lost_samples"] = round(lost_samples(samples_since, lost_share, int(since.sum())), 3)
+            # updates already counted as lost at an earlier failure of this shard are not lost again
+            since_step, since_totals = base_step, self.counter.at_step.get(base_step, np.zeros_like(self.counter.total))
+            earlier = self._lost_since.get(shard)
+            if earlier is not None and earlier[0] > base_step:
+                since_step, since_totals = earlier[0], np.asarray(earlier[1], dtype=np.int64)
+            since = self.counter.total - since_totals
+            rec["lost_updates"] = max(int(since[shard]) - saved, 0)
+            samples_since = max(0, completed - since_step) * self.batch_size
+            rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
             self.lost.append(rec["lost_samples"])
-        self._lost_base[shard] = self.counter.total[shard]
-        return rec
+            self._lost_since[shard] = (completed, self.counter.total.tolist())
+        return rec, as_of
 
-    def _base_total(self, step: int) -> np.ndarray:
-        return self.counter.at_step.get(step, np.zeros_like(self.counter.total))
-
-    def _replay(self, shard: int, after_step: int) -> int:
-        """Write the shard's logged rows of steps after ``after_step`` back, in log order."""
-        log = self.logs.get(shard) or ShardLog(self._log_dir(), shard)
-        replayed = 0
+    def _replay(self, shard: int, after_step: int) -> tuple[int, int]:
+        """Write the shard's logged rows of steps after ``after_step`` back, in log order.
+        -> (bytes replayed, the last step replayed or ``after_step``)."""
+        if self.log_dir is None:
+            raise RecoveryError("log recovery needs --log-dir")
+        log = ShardLog(self.log_dir, shard)
+        replayed, last = 0, after_step
         by_step: dict[int, list] = {}
         for r in log.records(after_step):
             by_step.setdefault(r.step, []).append((r.table, r.ids, r.rows))
         for s in sorted(by_step):
             self.store.write_shard(shard, by_step[s], step=s)
             replayed += sum(ids.nbytes + rows.nbytes for _, ids, rows in by_step[s])
-        return replayed
+            last = s
+        return replayed, last
 
-    def _log_dir(self) -> Path:
-        if not self.logs:
-            raise RecoveryError("log recovery needs --log-dir")
-        return next(iter(self.logs.values())).dir.parent
-
-    def _recover_full(self, failed: list[int], step: int) -> tuple[int, list[dict]]:
+    def _recover_full(self, failed: list[int], step: int) -> tuple[int, dict]:
         rec = self._base_record(("shard", failed[0]), step)
         rec["kind"] = self._kind(failed[0])
         rec["failed_shards"] = failed
@@ -295,21 +418,103 @@ class RecoveryManager:
         rec["restored_bytes"] = sum(self._restore_shard(spec, ckpt) for spec in self.shards)
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         rec["recomputed_steps"] = step - 1 - ckpt.step
-        return ckpt.step, [rec]
+        return ckpt.step, rec
+
+    # -- starts and restarts ----------------------------------------------------------------------
+    def on_rollback(self, to_step: int) -> None:
+        """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
+        for log in self.logs.values():
+            log.truncate_after(to_step)
+            log.open_segment(to_step + 1)
+
+    def fresh_start(self) -> None:
+        """A new run (rank 0): log segments and markers in the folders are an earlier run's."""
+        if self.rank == 0:
+            if self.log_dir is not None:
+                for seg in Path(self.log_dir).glob("shard*/seg_*.log"):
+                    seg.unlink()
+            if self.run_dir is not None:
+                (self.run_dir / TRAINER_FAILURE).unlink(missing_ok=True)
+                (self.run_dir / IN_RECOVERY).unlink(missing_ok=True)
+        self.collective.barrier()
+        for log in self.logs.values():
+            log.open_segment(1)
+
+    def resume(self, step: int, t_restart: float, restored_bytes: int) -> Outcome:
+        """After a trainer restart, with the dense state at ``step``: every shard back to ``step``.
+
+        Logs lose records after ``step``; shards that applied ``step + 1`` undo it; shards that are
+        dead (a node failure takes its shards too) or whose restore was cut short are recovered
+        under the run's strategy. Returns the protocol's outcome (``full`` may roll back further)."""
+        rolled: list[int] = []
+        if self.rank == 0:
+            if self.log_dir is not None:
+                for s in range(self.store.num_shards):
+                    ShardLog(self.log_dir, s).truncate_after(step)
+            for s in self._interrupted_restores():
+                self._flags[s] = 1
+                self._detected.setdefault(s, time.time())
+
+        def roll_back(only) -> None:
+            if self.rank != 0:
+                return
+            for s in range(self.store.num_shards) if only is None else only:
+                ok, n = self.guard(lambda s=s: self.store.rollback(s, step))
+                rolled.append(n if ok else 0)
+
+        if self.injector is not None:
+            self.injector.during("resume")
+        out = self.run_phase(step + 1, "resume", roll_back)
+        last_checkpoint = max(c for c in self.counter.at_step if c <= step) if self.checkpointer is not None else step
+        for log in self.logs.values():
+            log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1)
+        self._record_trainer_failure(step, t_restart, restored_bytes, sum(rolled))
+        return out
+
+    def _interrupted_restores(self) -> list[int]:
+        if self.run_dir is None:
+            return []
+        try:
+            return [int(s) for s in json.loads((self.run_dir / IN_RECOVERY).read_text())]
+        except (OSError, ValueError):
+            return []
+
+    def _record_trainer_failure(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
+        marker = self.run_dir / TRAINER_FAILURE if self.run_dir is not None else None
+        if self.rank != 0 or marker is None or not marker.exists():
+            return
+        info = json.loads(marker.read_text())
+        self.failures.append(
+            {
+                "kind": info.get("kind", "trainer"),
+                "target": info["rank"],
+                "step": info.get("step"),
+                "strategy": "restart",
+                **({"shards": info["shards"]} if info.get("shards") else {}),
+                "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
+                "recovery_s": round(time.time() - t_restart, 4),
+                "restored_bytes": restored_bytes,
+                "rolled_back_rows": rolled,
+                "lost_updates": 0,
+                "lost_samples": 0.0,
+                "replayed_steps": (info["step"] - step) if info.get("step") is not None else None,
+            }
+        )
+        marker.unlink()
 
     # -- persistence across trainer restarts ------------------------------------------------------
     def state(self) -> dict:
         return {
             "counter": self.counter.state(),
             "lost": list(self.lost),
-            "lost_base": self._lost_base.tolist(),
+            "lost_since": {str(s): [st, tot] for s, (st, tot) in self._lost_since.items()},
             "failures": [dict(f) for f in self.failures],
         }
 
     def load_state(self, state: dict) -> None:
         self.counter.load(state["counter"])
         self.lost = list(state["lost"])
-        self._lost_base = np.array(state["lost_base"], dtype=np.int64)
+        self._lost_since = {int(s): (int(v[0]), list(v[1])) for s, v in state.get("lost_since", {}).items()}
         self.failures = [dict(f) for f in state["failures"]]
 
 
@@ -321,6 +526,7 @@ class NoRecovery:
     logs: dict = {}
     checkpointer = None
     priority = None
+    strategy = None
 
     def guard(self, fn):
         return True, fn()
@@ -328,11 +534,24 @@ class NoRecovery:
     def sync(self) -> list[int]:
         return []
 
+    def commit(self, step: int, phase: str) -> Outcome:
+        return CONTINUE
+
+    def run_phase(self, step: int, phase: str, fn) -> Outcome:
+        fn(None)
+        return CONTINUE
+
     def count_updates(self, updated) -> None:
         pass
 
     def on_checkpoint(self, step: int) -> None:
         pass
+
+    def fresh_start(self) -> None:
+        pass
+
+    def resume(self, step: int, t_restart: float, restored_bytes: int) -> Outcome:
+        return CONTINUE
 
     def state(self) -> dict:
         return {}

@@ -200,7 +200,7 @@ def bench_scaling(args) -> list[dict]:
                 # random rows: a snapshot of constant rows would compress to nothing
                 store.write_rows("t", ids, rng.standard_normal((len(ids), dim), dtype=np.float32))
             ckpt_dir = out / f"scaling-{size}"
-            ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store.client, run=ns)
+            ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store, run=ns)
             ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": ns})
             ckpt.wait()
             shard_bytes = ckpt.candidates()[0].shard_file(0).stat().st_size

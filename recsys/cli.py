@@ -11,12 +11,16 @@ import json
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
 from recovery.errors import RecoveryError
 from recsys.config import ConfigError, RunConfig
+from recsys.errors import one_line, report_error
+
+KNOWN_ERRORS = (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError)
 
 # flag -> (section, field, type, help)
 FLAGS: dict[str, tuple[str, str, type, str]] = {
@@ -109,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="SPEC",
-        help="inject a failure (repeatable): shard:K@step=N | trainer:R@step=N | stall:K@step=N:SECONDS | "
-        "corrupt-checkpoint:latest[@step=N]",
+        help="inject a failure (repeatable): shard:K@WHEN | stall:K@WHEN:SECONDS | trainer:R@WHEN | node:R@WHEN | "
+        "corrupt-checkpoint:latest[@step=N]; WHEN is step=N, t=SECONDS (after training started) or, for shard "
+        "kills, during=checkpoint|eval|recovery|resume",
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     from recsys.bench import __doc__ as bench_doc
@@ -157,20 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from recsys.launch import TrainerFailed, run
 
-    if args.command == "bench-recovery":
-        from recsys.bench import main as bench_main
-
-        try:
-            return bench_main(args)
-        except (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-
+    out = None
     try:
+        if args.command == "bench-recovery":
+            from recsys.bench import main as bench_main
+
+            out = args.out
+            return bench_main(args)
         cfg = resolve(args)
+        out = cfg.train.out
         summary = run(cfg, under_launcher="TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ)
-    except (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KNOWN_ERRORS as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except TrainerFailed as e:
         print(f"error: {e}", file=sys.stderr)
@@ -178,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: trainers and shards stopped", file=sys.stderr)
         return 130
+    except SystemExit:
+        raise
     except Exception as e:  # torch elastic turns SIGINT/SIGTERM into SignalException after stopping the trainers
         if type(e).__name__ == "SignalException":
             print(f"interrupted ({e}): trainers and shards stopped", file=sys.stderr)
             return 130
-        raise
+        line = report_error(Path(out or "."), "main", e)
+        print(f"error: {line} (traceback in {Path(out or '.') / 'errors' / 'main.log'})", file=sys.stderr)
+        return 1
     if summary is not None:
         ceiling = summary["ceiling_auc"]
         print(

@@ -165,7 +165,7 @@ class TrainConfig:
 
 @dataclass
 class RecoveryConfig:
-    recovery: Literal["partial", "partial-mfu", "partial-ssu", "full", "log"] = "partial"
+    recovery: str = "partial"
     """What a failed embedding shard costs: partial (CPR: restore it alone from its checkpoint,
     count lost updates), log (as partial, then replay its update log: nothing lost), full (roll
     everything back to the checkpoint and recompute)."""
@@ -200,13 +200,12 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         from recovery.inject import parse_injection
         from recovery.log import parse_fsync_policy
+        from recovery.strategy import Strategy
 
-        _check(
-            self.recovery in ("partial", "partial-mfu", "partial-ssu", "full", "log"),
-            "recovery",
-            self.recovery,
-            "must be partial, partial-mfu, partial-ssu, full or log",
-        )
+        try:
+            strategy = Strategy.parse(self.recovery)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
             try:
                 self.checkpoint_every = int(self.checkpoint_every)
@@ -227,7 +226,7 @@ class RecoveryConfig:
         _check(self.priority_budget > 0, "priority_budget", self.priority_budget, "must be > 0")
         _check(0 < self.ssu_fraction <= 1, "ssu_fraction", self.ssu_fraction, "must be in (0, 1]")
         _check(self.ssu_capacity > 0, "ssu_capacity", self.ssu_capacity, "must be > 0")
-        if self.recovery in ("partial-mfu", "partial-ssu"):
+        if strategy.priority_saves:
             _check(bool(self.checkpoint_every), "recovery", self.recovery, "priority saves need --checkpoint-every")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
@@ -239,10 +238,12 @@ class RecoveryConfig:
             self.injections = [parse_injection(s) for s in self.inject]
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.recovery == "full":
-            _check(self.checkpoint_every > 0, "recovery", self.recovery, "full recovery needs --checkpoint-every K > 0")
+        if strategy.rolls_back:
+            _check(
+                self.checkpoint_every != 0, "recovery", self.recovery, "full recovery needs --checkpoint-every K > 0"
+            )
         for inj in self.injections:
-            if inj.kind == "trainer":
+            if inj.kind in ("trainer", "node"):
                 _check(self.max_restarts > 0, "inject", str(inj), "a trainer failure needs --max-restarts >= 1")
             if inj.kind == "corrupt-checkpoint":
                 _check(self.checkpoint_every > 0, "inject", str(inj), "needs --checkpoint-every K > 0")
@@ -260,20 +261,21 @@ class RunConfig:
     def __post_init__(self) -> None:
         rc = self.recovery
         for inj in rc.injections:
-            if inj.kind in ("shard", "stall"):
+            if inj.kind in ("shard", "stall", "node"):
                 _check(
                     self.embeddings.embeddings == "redis" and self.embeddings.redis == "local",
                     "inject",
                     str(inj),
                     "shard failures act on local shards (--embeddings redis --redis local)",
                 )
+            if inj.kind in ("shard", "stall"):
                 _check(
                     inj.target < self.embeddings.shards,
                     "inject",
                     str(inj),
                     f"shard {inj.target} does not exist (shards={self.embeddings.shards})",
                 )
-            if inj.kind == "trainer":
+            if inj.kind in ("trainer", "node"):
                 _check(
                     inj.target < self.train.trainers,
                     "inject",

@@ -1,23 +1,42 @@
-"""Start what a run needs (data, local shards), launch the trainers, clean up.
+"""Start what a run needs (data, local shards), launch and supervise the trainers, clean up.
 
-``run(cfg)``: preprocess raw data once, start ``cfg.embeddings.shards`` local ``redis-server``
-shards when ``--redis local``, then run the trainers: in-process for one trainer, through torch's
-elastic launcher (``torch.distributed.launcher.api.elastic_launch``) for several. Shards and
-trainer processes are stopped on every exit path, Ctrl-C included.
+``run(cfg)``: preprocess raw data once, check ``--redis`` endpoints (or start ``cfg.embeddings.shards``
+local ``redis-server`` shards with ``--redis local``), then run the trainers: in-process for one
+trainer, through torch's elastic launcher (``elastic_launch``) for several. Shards and trainer
+processes are stopped on every exit path, Ctrl-C included.
+
+Trainer restarts are decided here, not inside the elastic agent: a trainer that was killed (a
+signal, a node failure) restarts the group, up to ``--max-restarts`` times; each new group resumes
+from the per-step dense state. A trainer that reported an error (``recsys.errors``) ends the run
+at once with that error's one line: restarting would only repeat it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import os
+import shutil
+import signal
+import sys
+import time
 import uuid
+from pathlib import Path
 
 from embeddings import LocalShards
+from embeddings.endpoints import check_endpoints
 from embeddings.launcher import free_port
+from recovery.inject import TRAINER_FAILURE
 from recsys.config import RunConfig
 from recsys.datasets import prepare
+from recsys.errors import read_errors
 from recsys.trainer import train, worker_main
+
+# errors a trainer sees when a peer died under it: not a reason to stop the run
+_PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_PEER_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken pipe", "timed out")
 
 
 class TrainerFailed(RuntimeError):
@@ -33,37 +52,74 @@ def shard_urls(cfg: RunConfig):
         with LocalShards(cfg.embeddings.shards) as shards:
             yield shards.urls, shards.specs
     else:
+        check_endpoints(cfg.embeddings.urls, cfg.embeddings.timeout_s)
         yield cfg.embeddings.urls, []
+
+
+def _peer_lost(err: dict) -> bool:
+    line = err.get("line", "").lower()
+    return err.get("type") in _PEER_LOST or any(w in line for w in _PEER_WORDS)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # a fresh rendezvous store per restart; without it gloo's second attempt hangs (torch 2.13)
+    # a fresh rendezvous store per launch; without it gloo's second attempt hangs (torch 2.13)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.train.trainers,
-        run_id=namespace,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=cfg.recovery.max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    try:
-        results = elastic_launch(lc, worker_main)(
-            cfg.to_dict(), urls, namespace, [dataclasses.asdict(s) for s in specs]
+    os.environ["RECSYS_SUPERVISED"] = "1"  # trainers leave their error lines to us
+    # the agent's own reports of a dead worker are replaced by the one line below
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    out = Path(cfg.train.out)
+    restarts = 0
+    while True:
+        shutil.rmtree(out / "errors", ignore_errors=True)
+        lc = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=cfg.train.trainers,
+            run_id=f"{namespace}-{restarts}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
         )
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        msg = failure.message
-        if isinstance(msg, dict):
-            msg = msg.get("message", str(msg))
-        raise TrainerFailed(f"trainer rank {rank} failed: {str(msg).strip().splitlines()[-1]}") from None
-    return results.get(0)
+        try:
+            results = elastic_launch(lc, worker_main)(
+                cfg.to_dict(), urls, namespace, [dataclasses.asdict(s) for s in specs]
+            )
+            return results.get(0)
+        except ChildFailedError as e:
+            failures = {int(r): f for r, f in e.failures.items()}
+        errors = read_errors(out)
+        killed = {r: f.exitcode for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
+        marker = out / TRAINER_FAILURE
+        fatal = [x for x in errors.values() if not _peer_lost(x)]
+        if fatal and not killed and not marker.exists():
+            first = sorted(fatal, key=lambda x: x["who"])[0]
+            raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {out / 'errors'})")
+        rank = min(killed) if killed else min(failures)
+        why = _signal_name(killed[rank]) if killed else f"exit status {failures[rank].exitcode}"
+        if restarts >= cfg.recovery.max_restarts:
+            hint = "; --max-restarts N lets the group resume" if cfg.recovery.max_restarts == 0 else " (all used)"
+            raise TrainerFailed(
+                f"trainer rank {rank} died ({why}) after {restarts} restart(s) of {cfg.recovery.max_restarts}{hint}"
+            )
+        if not marker.exists():  # not injected: record what the supervisor saw
+            marker.write_text(json.dumps({"kind": "trainer", "rank": rank, "step": None, "time": time.time()}))
+        restarts += 1
+        print(
+            f"trainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",
+            file=sys.stderr,
+        )
 
 
 def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
@@ -74,6 +130,9 @@ def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
         return worker_main(cfg.to_dict(), cfg.embeddings.urls, namespace)
     namespace = cfg.embeddings.namespace or f"run-{uuid.uuid4().hex[:10]}"
     prepare(cfg)
+    out = Path(cfg.train.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (Path(cfg.checkpoint_dir) / "dense_latest.pt").unlink(missing_ok=True)  # an earlier run's
     with shard_urls(cfg) as (urls, specs):
         if cfg.train.trainers == 1:
             return train(cfg, urls, namespace, specs=specs)

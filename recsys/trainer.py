@@ -1,22 +1,25 @@
-"""The training loop: load, step, checkpoint, evaluate. One trainer process runs ``train``.
+"""The training loop: one ``Trainer`` per trainer process.
 
-A step has two commit points. (1) Stage: the batch's rows are pulled; a failed shard is
-recovered and the pull retried before anything is computed. (2) Update: after forward/backward,
-the row gradients are aggregated over trainers and each shard's single writer applies its rows;
-a shard that failed is recovered and gets the step's rows again. Only then does the dense
-optimizer step, the dense state get saved (for trainer restarts) and, on schedule, a checkpoint
-get taken. Under ``full`` recovery a failure rolls everything back to the checkpoint instead.
+A step is four named phases: stage the batch's rows, forward/backward, commit the sparse update
+(row gradients aggregated over trainers, each shard written by its single writer), dense step.
+``after_step`` then saves (per-step dense state for restarts, checkpoints, priority saves), logs
+and evaluates. Every phase that touches the Redis tier runs under the recovery manager's commit
+protocol (``recovery.manager``): at its commit point the trainers agree on an outcome (continue,
+retry the phase on recovered shards, roll back to a checkpoint) and the trainer acts on it alone.
 
-Under torch's elastic launcher (``python -m recsys train --trainers W`` or ``torchrun``) every
-trainer runs ``worker_main``; with one trainer and no launcher, ``train`` runs in-process.
+The run state (step, reader position, checkpoint schedule, recovery accounting, dense model and
+optimizer) is one ``state_dict()``: checkpoints, per-step dense saves and restarts all use it.
+
+Under the launcher (``python -m recsys train --trainers W``) or ``torchrun`` every trainer runs
+``worker_main``; with one trainer and no launcher, ``Trainer(...).train()`` runs in-process.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,12 +39,14 @@ from recovery.checkpoint import Checkpointer
 from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.inject import Injector
 from recovery.log import ShardLog
-from recovery.manager import Collective, NoRecovery, RecoveryManager
+from recovery.manager import CONTINUE, Collective, NoRecovery, Outcome, RecoveryManager
 from recovery.planner import parse_mtbf, plan_interval
 from recovery.priority import MFUTracker, PrioritySaver, RowCounts, SSUTracker
+from recovery.strategy import Strategy
 from recsys.backends import LocalBackend, StoreBackend
 from recsys.config import RunConfig
 from recsys.datasets import sources
+from recsys.errors import report_error
 from recsys.metrics import evaluate_scores
 from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
@@ -83,7 +88,12 @@ def collective(world_size: int) -> Collective:
         dist.broadcast(t, src=0)
         return int(t.item())
 
-    return Collective(world_size, dist.barrier, max_flags, broadcast_int)
+    def sum_floats(a: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(a.astype(np.float64))
+        dist.all_reduce(t)
+        return t.numpy()
+
+    return Collective(world_size, dist.barrier, max_flags, broadcast_int, sum_floats)
 
 
 class Schedule:
@@ -97,7 +107,7 @@ class Schedule:
         self.rc, self.num_shards, self.coll, self.rank = rc, num_shards, coll, rank
         self.auto = rc.checkpoint_every == "auto"
         self.every = 0 if self.auto else int(rc.checkpoint_every)
-        self.priority_on = rc.recovery in ("partial-mfu", "partial-ssu")
+        self.priority_on = Strategy(rc.recovery).priority_saves
         self.plan: dict | None = None
         self._step_times: list[float] = []
         self.checkpoint_pause_s = 0.0
@@ -149,51 +159,36 @@ class Schedule:
         self.every = int(state["every"])
 
 
-def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collective, rank: int, restart_count: int):
+def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collective, rank: int):
     """Recovery manager, checkpointer and injector of one trainer (no-op objects where off)."""
     if not isinstance(backend, StoreBackend):
-        return NoRecovery(), None
-    rc, world = cfg.recovery, coll.world_size
-    injector = Injector(rc.injections, rank, [s.pidfile for s in specs], Path(cfg.train.out), restart_count)
+        return NoRecovery(), None, None
+    rc, world, store = cfg.recovery, coll.world_size, backend.store
+    strategy = Strategy(rc.recovery)
+    run_dir = Path(cfg.train.out)
+    injector = Injector(rc.injections, rank, [s.pidfile for s in specs], run_dir, world)
     logs = {}
     if cfg.log_dir:
         logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(len(specs)) if s % world == rank}
     ckpt = None
     if rc.checkpoint_every:
-
-        def on_saved(c) -> None:
-            # rank 0, after the manifest: log segments that every kept checkpoint covers can go.
-            # (Not just those before the newest: if the newest turns out corrupt, log recovery
-            # falls back to an older checkpoint and must still replay exactly.)
-            if cfg.log_dir:
-                oldest = min(k.step for k in ckpt.candidates())
-                for s in range(len(specs)):
-                    ShardLog(cfg.log_dir, s).drop_before(oldest)
-
         ckpt = Checkpointer(
-            cfg.checkpoint_dir,
-            rc.keep_checkpoints,
-            specs,
-            backend.store.client,
-            rank,
-            coll.barrier,
-            on_saved,
-            run=backend.store.namespace,
+            cfg.checkpoint_dir, rc.keep_checkpoints, specs, store, rank, coll.barrier, run=store.namespace
         )
+        ckpt.on_fork = lambda shard: injector.during("checkpoint")
     priority = None
-    if rc.recovery in ("partial-mfu", "partial-ssu") and rank == 0:
-        store = backend.store
+    if strategy.priority_saves and rank == 0:
         tracker = (
             MFUTracker(store)
-            if rc.recovery == "partial-mfu"
+            if strategy is Strategy.PARTIAL_MFU
             else SSUTracker(store, rc.ssu_fraction, rc.ssu_capacity, cfg.train.seed)
         )
         counts = RowCounts([t.num_rows for t in store.tables])
         priority = PrioritySaver(Path(cfg.checkpoint_dir) / "priority", store, tracker, rc.priority_budget, counts)
     manager = RecoveryManager(
         priority=priority,
-        strategy=rc.recovery,
-        store=backend.store,
+        strategy=strategy,
+        store=store,
         shards=specs,
         rank=rank,
         batch_size=cfg.train.batch_size,
@@ -202,268 +197,326 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         logs=logs,
         injector=injector,
         drain=backend.drain,
+        run_dir=run_dir,
+        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
     )
-    return manager, injector
+    if ckpt is not None:
+        ckpt.on_saved = manager.on_checkpoint_saved
+    return manager, ckpt, injector
 
 
-def train(
-    cfg: RunConfig,
-    urls: list[str],
-    namespace: str,
-    world_size: int = 1,
-    rank: int = 0,
-    specs: list[ShardSpec] | None = None,
-) -> dict | None:
-    """Train ``cfg.train.steps`` steps; rank 0 writes the run outputs and returns the summary."""
-    t_setup = time.perf_counter()
-    specs = specs or []
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    backend = (
-        LocalBackend(cfg)
-        if cfg.embeddings.embeddings == "local"
-        else StoreBackend(cfg, urls, namespace, world_size, rank)
-    )
-    plain = backend.model
-    model = DistributedDataParallel(plain) if world_size > 1 else plain
-    opt = dense_optimizer(cfg, dense_params(plain))
-    data = sources(cfg)
-    reader = BatchReader(data.train, cfg.train.batch_size, world_size=world_size, rank=rank, epochs=1 << 30)
-    coll = collective(world_size)
-    recovery, injector = build_recovery(cfg, backend, specs, coll, rank, restart_count)
-    ckpt = getattr(recovery, "checkpointer", None)
-    dense_saver = (
-        DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
-    )
-    steps, G = cfg.train.steps, cfg.train.batch_size
-    schedule = Schedule(cfg, len(specs), coll, rank)
+class Trainer:
+    """One trainer process: its parts are built here; ``train()`` runs the loop."""
 
-    def resume_position(step: int) -> dict:
-        """Reader state that yields the batch of ``step + 1`` next (the loop reads one batch ahead)."""
-        return {"position": step * G, "global_batch_size": G}
+    def __init__(
+        self,
+        cfg: RunConfig,
+        urls: list[str],
+        namespace: str,
+        world_size: int = 1,
+        rank: int = 0,
+        specs: list[ShardSpec] | None = None,
+    ) -> None:
+        self.t_setup = time.perf_counter()
+        self.cfg, self.namespace, self.world_size, self.rank = cfg, namespace, world_size, rank
+        self.specs = specs or []
+        self.num_shards = len(urls)
+        self.steps, self.batch_size = cfg.train.steps, cfg.train.batch_size
+        self.backend = (
+            LocalBackend(cfg)
+            if cfg.embeddings.embeddings == "local"
+            else StoreBackend(cfg, urls, namespace, world_size, rank)
+        )
+        self.plain = self.backend.model
+        self.model = DistributedDataParallel(self.plain) if world_size > 1 else self.plain
+        self.opt = dense_optimizer(cfg, dense_params(self.plain))
+        self.data = sources(cfg)
+        self.reader = BatchReader(self.data.train, self.batch_size, world_size=world_size, rank=rank, epochs=1 << 30)
+        self.coll = collective(world_size)
+        self.recovery, self.checkpointer, self.injector = build_recovery(cfg, self.backend, self.specs, self.coll, rank)
+        self.dense_saver = (
+            DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
+        )
+        self.schedule = Schedule(cfg, len(self.specs), self.coll, rank)
+        self.out: RunOutputs | NullOutputs = NullOutputs()
+        self.step = 1  # the step about to run
+        self.priority_pauses: list[float] = []
+        self.last_eval: dict = {}
+        self._t_step = 0.0
 
-    def dense_state() -> dict:
-        msd, osd = get_state_dict(plain, opt)
-        return {"model": {k: v for k, v in msd.items() if "embedding_bags" not in k}, "optim": osd}
+    # -- run state ----------------------------------------------------------------------------
+    def state_dict(self, step: int | None = None) -> dict:
+        """Everything a resume needs, as of the end of ``step`` (default: the last completed step)."""
+        step = self.step - 1 if step is None else step
+        msd, osd = get_state_dict(self.plain, self.opt)
+        return {
+            "dense": {"model": {k: v for k, v in msd.items() if "embedding_bags" not in k}, "optim": osd},
+            "run": {
+                "step": step,
+                # the reader yields the batch of step + 1 next
+                "reader": {"position": step * self.batch_size, "global_batch_size": self.batch_size},
+                "schedule": self.schedule.state(),
+                "recovery": self.recovery.state(),
+            },
+        }
 
-    def load_dense(state: dict) -> None:
-        msd, osd = get_state_dict(plain, opt)
-        msd.update(state["model"])
-        set_state_dict(plain, opt, model_state_dict=msd, optim_state_dict=state["optim"])
+    def load_state_dict(self, state: dict, *, rollback: bool = False) -> None:
+        """Restart: everything. Rollback to a checkpoint: dense state and reader only (the failures
+        and accounting of the run so far stand)."""
+        msd, osd = get_state_dict(self.plain, self.opt)
+        msd.update(state["dense"]["model"])
+        set_state_dict(self.plain, self.opt, model_state_dict=msd, optim_state_dict=state["dense"]["optim"])
+        run = state["run"]
+        self.reader.load_state_dict(run["reader"])
+        self.step = int(run["step"]) + 1
+        if not rollback:
+            self.schedule.load(run["schedule"])
+            self.recovery.load_state(run["recovery"])
 
-    def checkpoint(step: int) -> None:
-        recovery.on_checkpoint(step)
-        meta = {"step": step, "reader": resume_position(step), "recovery": recovery.state(), "namespace": namespace}
-        stats = ckpt.save(step, dense_state(), meta)
-        for log in recovery.logs.values():
-            log.open_segment(step + 1)
-        out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
+    # -- the loop -----------------------------------------------------------------------------
+    def train(self) -> dict | None:
+        """Train ``cfg.train.steps`` steps; rank 0 writes the run outputs and returns the summary."""
+        try:
+            self.resume()
+            bar = tqdm(
+                total=self.steps,
+                initial=self.step - 1,
+                desc="train",
+                unit="step",
+                disable=self.rank != 0 or not self.cfg.train.progress,
+                dynamic_ncols=True,
+            )
+            self.t0 = time.perf_counter()
+            batch = next(self.reader)
+            while True:
+                while self.step <= self.steps:
+                    out, nxt, loss = self.train_step(batch)
+                    if not out.rolled_back:
+                        out = self.after_step(loss)
+                    if out.rolled_back:
+                        self.roll_back(out.to_step)
+                        batch = next(self.reader)
+                        continue
+                    bar.n = self.step
+                    if self.out.records and self.out.records[-1].get("step") == self.step:
+                        r = self.out.records[-1]
+                        auc = {"auc": f"{self.last_eval['auc']:.4f}"} if self.last_eval else {}
+                        bar.set_postfix(loss=f"{r.get('loss', float('nan')):.4f}", **auc, refresh=False)
+                    bar.refresh()
+                    self.step += 1
+                    batch = nxt
+                out, summary = self.finish()
+                if not out.rolled_back:
+                    bar.close()
+                    return summary
+                self.roll_back(out.to_step)
+                batch = next(self.reader)
+        finally:
+            if self.injector is not None:
+                self.injector.close()
+            self.recovery.close()
+            self.backend.close()
 
-    def priority_save(step: int) -> None:
+    def train_step(self, batch) -> tuple[Outcome, object, torch.Tensor | None]:
+        """One step: stage rows, forward/backward, commit the sparse update, dense step.
+        -> (outcome, the next batch, the loss)."""
+        step = self.step
+        self._t_step = time.perf_counter()
+        if self.injector is not None:
+            self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0))
+        out = self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
+        if out.rolled_back:
+            return out, None, None
+        nxt = next(self.reader) if step < self.steps else None
+        loss = self.forward_backward(batch, nxt)
+        out = self.commit_sparse(step)
+        if out.rolled_back:
+            return out, None, None
+        self.opt.step()
+        if self.world_size > 1:
+            dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+        return out, nxt, loss
+
+    def forward_backward(self, batch, nxt) -> torch.Tensor:
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.backend.prefetch(nxt)  # the next batch's rows load while this one trains
+        self.opt.zero_grad()
+        loss.backward()
+        return loss
+
+    def commit_sparse(self, step: int) -> Outcome:
+        """Row gradients over trainers (a collective), then each writer's shards under the protocol."""
+        update = self.backend.gradients()
+        self.dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
+        if update is None:
+            self.backend.apply_local()
+            return CONTINUE
+
+        def write(only) -> None:
+            self.recovery.apply(update.owned, step, only)
+            if self.injector is not None:
+                self.injector.mid_step(step)
+
+        out = self.recovery.run_phase(step, "update", write)
+        if not out.rolled_back:
+            self.recovery.count_updates(update.updated)
+        return out
+
+    def after_step(self, loss: torch.Tensor) -> Outcome:
+        """Saves, logging and evaluation after a completed step."""
+        step = self.step
+        self.dense_saver.save(step, lambda: self.state_dict(step))  # built only where it is saved
+        self.schedule.observe(step, time.perf_counter() - self._t_step)
+        out = CONTINUE
+        if self.schedule.checkpoint_due(step):
+            out = self.checkpoint(step)
+        elif self.schedule.priority_due(step):
+            out = self.priority_save(step)
+        if out.rolled_back:
+            return out
+        eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
+        if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
+            mean_loss = loss.detach().clone()
+            if self.world_size > 1:
+                dist.all_reduce(mean_loss)
+                mean_loss /= self.world_size
+            record = {
+                "step": step,
+                "loss": float(mean_loss),
+                "samples": step * self.batch_size,
+                "elapsed_s": round(time.perf_counter() - self.t0, 3),
+            }
+            if eval_now:
+                out, res = self.evaluate(step)
+                if out.rolled_back:
+                    return out
+                self.last_eval = res or self.last_eval
+                record.update(res)
+            self.out.log(record)
+        return out
+
+    # -- phases besides the step ----------------------------------------------------------------
+    def checkpoint(self, step: int) -> Outcome:
+        """Fork every shard's snapshot under the protocol, then the dense state and the background copy."""
+        ckpt = self.checkpointer
+        out = self.recovery.run_phase(step, "checkpoint", lambda only: ckpt.begin(step))
+        if out.rolled_back:
+            return out
+        self.recovery.on_checkpoint(step)
+        state = self.state_dict(step)
+        stats = ckpt.finish(step, state["dense"], {**state["run"], "namespace": self.namespace})
+        self.out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
+        return out
+
+    def priority_save(self, step: int) -> Outcome:
         """partial-mfu/ssu: rank 0 saves each shard's priority rows while the others wait (consistent rows)."""
         t0 = time.perf_counter()
-        rows = recovery.priority.save(step) if recovery.priority is not None else 0
-        coll.barrier()
-        pauses.append(time.perf_counter() - t0)
-        if rank == 0:
-            out.log({"step": step, "priority_rows": rows, "priority_pause_s": round(pauses[-1], 4)})
+        rows = [0]
 
-    def roll_back(to_step: int) -> int:
+        def save(only) -> None:
+            if self.recovery.priority is not None:
+                rows[0] = self.recovery.priority.save(step)
+
+        out = self.recovery.run_phase(step, "priority", save)
+        self.priority_pauses.append(time.perf_counter() - t0)
+        self.out.log({"step": step, "priority_rows": rows[0], "priority_pause_s": round(self.priority_pauses[-1], 4)})
+        return out
+
+    def evaluate(self, step: int) -> tuple[Outcome, dict]:
+        """Rank 0 evaluates (reading the tier) under the protocol; the others wait at its commit point."""
+        res: dict = {}
+
+        def run(only) -> None:
+            if self.rank == 0:
+                if self.injector is not None:
+                    self.injector.during("eval")
+                res.clear()
+                res.update(evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples))
+
+        return self.recovery.run_phase(step, "eval", run), res
+
+    def resume(self) -> None:
+        """Fresh start, or resume after a trainer restart from the per-step dense state."""
+        resumed = self.dense_saver.load()
+        if self.rank == 0:
+            self.out = RunOutputs(self.cfg, append=resumed is not None)
+        if self.injector is not None:
+            self.injector.start(fresh=resumed is None, barrier=self.coll.barrier)
+        if resumed is None:
+            self.recovery.fresh_start()
+            if self.schedule.enabled:
+                out = self.checkpoint(0)
+                if out.rolled_back:  # pragma: no cover - a failure before any checkpoint exists
+                    raise RuntimeError("a shard failed before the first checkpoint was taken")
+                self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
+            return
+        t_restart = time.time()
+        self.load_state_dict(resumed)
+        out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size)
+        if out.rolled_back:
+            self.roll_back(out.to_step)
+
+    def roll_back(self, to_step: int) -> None:
         """Full recovery: dense state, readers and logs back to checkpoint ``to_step``."""
-        import torch.distributed.checkpoint as dcp
+        state = self.state_dict(to_step)
+        meta = self.checkpointer.load(to_step, state["dense"])
+        self.load_state_dict({"dense": state["dense"], "run": meta}, rollback=True)
+        self.recovery.on_rollback(to_step)
 
-        path = Path(cfg.checkpoint_dir) / f"step_{to_step:010d}"
-        state = dense_state()
-        dcp.load(state, checkpoint_id=str(path / "dense"))
-        load_dense(state)
-        meta = json.loads((path / "meta.json").read_text())
-        reader.load_state_dict(meta["reader"])
-        for log in recovery.logs.values():
-            log.truncate_after(to_step)
-            log.open_segment(to_step + 1)
-        return to_step + 1
+    def finish(self) -> tuple[Outcome, dict | None]:
+        """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
+        wall = time.perf_counter() - self.t0
+        self.dense_saver.wait()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        logs = self.recovery.logs.values()
+        log_totals = self.coll.sum_floats(
+            np.array([sum(x.bytes_written for x in logs), sum(x.seconds for x in logs)], dtype=np.float64)
+        )
+        res: dict = {}
 
-    # -- start: fresh, or resume after a trainer restart ------------------------------------------
-    step = 1
-    pauses: list[float] = []  # priority-save pauses
-    resumed = dense_saver.load()
-    out = RunOutputs(cfg, append=resumed is not None) if rank == 0 else NullOutputs()
-    if resumed is not None:
-        t_restore = time.time()
-        d = int(resumed["step"])
-        load_dense(resumed)
-        reader.load_state_dict(resumed["reader"])
-        recovery.load_state(resumed["recovery"])
-        rolled = 0
-        if rank == 0:
-            rolled = sum(backend.store.rollback(s, d) for s in range(len(specs)))
-            if cfg.log_dir:
-                for s in range(len(specs)):
-                    ShardLog(cfg.log_dir, s).truncate_after(d)
-        coll.barrier()
-        schedule.load(resumed["schedule"])
-        last_ckpt = max([c for c in recovery.counter.at_step if c <= d] or [0]) if schedule.enabled else d
-        for log in recovery.logs.values():
-            log.open_segment(last_ckpt + 1)
-        step = d + 1
-        marker = Path(cfg.train.out) / "trainer_failure.json"
-        if rank == 0 and marker.exists():
-            info = json.loads(marker.read_text())
-            recovery.failures.append(
-                {
-                    "kind": "trainer",
-                    "target": info["rank"],
-                    "step": info["step"],
-                    "strategy": "restart",
-                    "detected_after_s": round(t_restore - info["time"], 4),
-                    "recovery_s": round(time.time() - t_restore, 4),
-                    "restored_bytes": Path(dense_saver.path).stat().st_size,
-                    "rolled_back_rows": rolled,
-                    "lost_updates": 0,
-                    "lost_samples": 0.0,
-                    "replayed_steps": info["step"] - d,
-                }
-            )
-            marker.unlink()
-    else:
-        if rank == 0:  # a fresh run: segments in the folder are an earlier run's
-            if cfg.log_dir:
-                for seg in Path(cfg.log_dir).glob("shard*/seg_*.log"):
-                    seg.unlink()
-            (Path(cfg.train.out) / "trainer_failure.json").unlink(missing_ok=True)
-        coll.barrier()
-        for log in recovery.logs.values():
-            log.open_segment(1)
-        if schedule.enabled:
-            checkpoint(0)
-            schedule.checkpoint_pause_s = ckpt.history[-1].pause_s
+        def final(only) -> None:
+            if self.rank == 0:
+                res["eval"] = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
+                res["digest"] = embedding_digest(self.backend.table_blocks())
 
-    bar = tqdm(
-        total=steps,
-        initial=step - 1,
-        desc="train",
-        unit="step",
-        disable=rank != 0 or not cfg.train.progress,
-        dynamic_ncols=True,
-    )
-    last_eval: dict = {}
-    t0 = time.perf_counter()
-    batch = next(reader)
-    try:
-        while step <= steps:
-            t_step = time.perf_counter()
-            if injector is not None:
-                injector.at_step(step, lambda: recovery.latest_shard_file(0))
-            # (1) stage: this batch's rows, or recover and retry
-            recovery.guard(lambda b=batch: backend.stage(b))
-            failed = recovery.sync()
-            if failed:
-                to = recovery.recover(failed, step, "pull")
-                if to is not None:
-                    step = roll_back(to)
-                    batch = next(reader)
-                continue
-            nxt = next(reader) if step < steps else None
-            logits = model(batch.dense_features, batch.sparse_features).squeeze(1)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-            backend.prefetch(nxt)  # the next batch's rows load while this one trains
-            opt.zero_grad()
-            loss.backward()
-            # (2) update: one writer per shard; a failed shard is recovered and written again
-            update = backend.gradients()
-            dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
-            rolled_to = None
-            if update is None:
-                backend.apply_local()
-            else:
-                only = None
-                while True:
-                    recovery.apply(update.owned, step, only)
-                    if injector is not None:
-                        injector.mid_step(step)
-                    failed = recovery.sync()
-                    if not failed:
-                        break
-                    rolled_to = recovery.recover(failed, step, "update")
-                    if rolled_to is not None:
-                        break
-                    only = failed
-            if rolled_to is not None:
-                step = roll_back(rolled_to)
-                batch = next(reader)
-                continue
-            if update is not None:
-                recovery.count_updates(update.updated)
-            opt.step()
-            if world_size > 1:
-                dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
-            dense_saver.save(  # the state is built only where it is saved (rank 0, restarts on)
-                step,
-                lambda step=step: {
-                    **dense_state(),
-                    "reader": resume_position(step),
-                    "recovery": recovery.state(),
-                    "schedule": schedule.state(),
-                },
-            )
-            schedule.observe(step, time.perf_counter() - t_step)
-            if schedule.checkpoint_due(step):
-                checkpoint(step)
-            elif schedule.priority_due(step):
-                priority_save(step)
-            eval_now = cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0 and step != steps
-            if step % cfg.train.log_every == 0 or step == steps or eval_now:
-                mean_loss = loss.detach().clone()
-                if world_size > 1:
-                    dist.all_reduce(mean_loss)
-                    mean_loss /= world_size
-                record = {
-                    "step": step,
-                    "loss": float(mean_loss),
-                    "samples": step * G,
-                    "elapsed_s": round(time.perf_counter() - t0, 3),
-                }
-                if eval_now:
-                    if rank == 0:
-                        ok, res = recovery.guard(lambda: evaluate(plain, backend, data.eval, cfg.data.eval_samples))
-                        last_eval = res if ok else last_eval
-                        record.update(res if ok else {"eval_skipped": "shard failure"})
-                    if world_size > 1:
-                        dist.barrier()
-                out.log(record)
-                bar.set_postfix(
-                    loss=f"{record['loss']:.4f}", **({"auc": f"{last_eval['auc']:.4f}"} if last_eval else {})
-                )
-            bar.n = step
-            bar.refresh()
-            step += 1
-            batch = nxt
-        wall = time.perf_counter() - t0
-        bar.close()
-        dense_saver.wait()
-        if ckpt is not None:
-            ckpt.wait()
-        if world_size > 1:
-            dist.barrier()
-        if rank != 0:
-            return None
-        final = evaluate(plain, backend, data.eval, cfg.data.eval_samples)
-        out.log({"step": steps, "samples": steps * G, "elapsed_s": round(wall, 3), **final})
-        summary = {
+        out = self.recovery.run_phase(self.steps, "final", final)
+        if out.rolled_back or self.rank != 0:
+            return out, None
+        summary = self.summary(wall, res["eval"], res["digest"], log_totals)
+        if self.cfg.train.save_model:
+            state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
+            state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})
+            torch.save(state, os.path.join(self.cfg.train.out, "final_model.pt"))
+        self.out.log(
+            {"step": self.steps, "samples": self.steps * self.batch_size, "elapsed_s": round(wall, 3), **res["eval"]}
+        )
+        self.out.finish(summary)
+        return out, summary
+
+    def summary(self, wall: float, final: dict, digest: str, log_totals: np.ndarray) -> dict:
+        cfg, steps, G = self.cfg, self.steps, self.batch_size
+        ckpt, rec = self.checkpointer, self.recovery
+        fired = self.injector.fired() if self.injector is not None else []
+        return {
             "steps_completed": steps,
             "samples_trained": steps * G,
             "wall_seconds": round(wall, 3),
-            "setup_seconds": round(t0 - t_setup, 3),
+            "setup_seconds": round(self.t0 - self.t_setup, 3),
             "throughput_samples_per_s": round(steps * G / wall, 1),
             "final_auc": final["auc"],
             "final_logloss": final["logloss"],
             "final_ne": final["ne"],
-            "ceiling_auc": data.ceiling_auc,
-            "failures": recovery.failures,
-            "pls": pls(recovery.lost, steps * G),
-            "embedding_digest": embedding_digest(backend.table_blocks()),
+            "ceiling_auc": self.data.ceiling_auc,
+            "failures": rec.failures,
+            "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in fired],
+            "injections_not_fired": self.injector.not_fired() if self.injector is not None else [],
+            "pls": pls(rec.lost, steps * G),
+            "embedding_digest": digest,
             "embeddings": cfg.embeddings.embeddings,
-            "trainers": world_size,
-            "shards": len(urls) if urls else 0,
+            "trainers": self.world_size,
+            "shards": self.num_shards,
             "recovery": cfg.recovery.recovery,
             "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
             "checkpoints": [
@@ -476,38 +529,50 @@ def train(
                 }
                 for s in (ckpt.history if ckpt is not None else [])
             ],
-            "log_bytes": sum(log.bytes_written for log in recovery.logs.values()) if cfg.log_dir else 0,
-            "log_seconds": round(sum(log.seconds for log in recovery.logs.values()), 4) if cfg.log_dir else 0.0,
-            "checkpoint_every": schedule.every,
-            "checkpoint_plan": schedule.plan,
-            "priority_saves": len(pauses),
-            "priority_pause_s": round(sum(pauses), 4),
-            "priority_bytes": recovery.priority.bytes_written if getattr(recovery, "priority", None) else 0,
-            "dense_saves": dense_saver.num_saves,
-            **backend.stats(),
+            "log_bytes": int(log_totals[0]),
+            "log_seconds": round(float(log_totals[1]), 4),
+            "checkpoint_every": self.schedule.every,
+            "checkpoint_plan": self.schedule.plan,
+            "priority_saves": len(self.priority_pauses),
+            "priority_pause_s": round(sum(self.priority_pauses), 4),
+            "priority_bytes": rec.priority.bytes_written if getattr(rec, "priority", None) else 0,
+            "dense_saves": self.dense_saver.num_saves,
+            "dense_save_seconds": round(self.dense_saver.seconds, 4),
+            **self.backend.stats(),
         }
-        if cfg.train.save_model:
-            state = {f"dense.{k}": v for k, v in plain.state_dict().items() if "embedding_bags" not in k}
-            state.update({f"embedding.{k}": v for k, v in backend.weights().items()})
-            torch.save(state, os.path.join(cfg.train.out, "final_model.pt"))
-        out.finish(summary)
-        return summary
-    finally:
-        bar.close()
-        recovery.close()
-        backend.close()
+
+
+def train(
+    cfg: RunConfig,
+    urls: list[str],
+    namespace: str,
+    world_size: int = 1,
+    rank: int = 0,
+    specs: list[ShardSpec] | None = None,
+) -> dict | None:
+    """Train in this process; rank 0 returns the summary."""
+    return Trainer(cfg, urls, namespace, world_size, rank, specs).train()
 
 
 def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None) -> dict | None:
-    """Entry point of one trainer process under torch's elastic launcher (env: RANK, WORLD_SIZE)."""
+    """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
+
+    An error ends this process with exit status 3 after writing its traceback to
+    ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
+    prints that line); no traceback reaches the terminal."""
     cfg = RunConfig.from_dict(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    if world_size > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     try:
+        if world_size > 1:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
         return train(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
+    except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
+        line = report_error(Path(cfg.train.out), f"trainer{rank}", e)
+        if not os.environ.get("RECSYS_SUPERVISED"):  # torchrun: nobody else prints it
+            print(f"error: trainer {rank}: {line} (traceback in {cfg.train.out}/errors)", file=sys.stderr)
+        raise SystemExit(3) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

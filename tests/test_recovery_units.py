@@ -85,7 +85,7 @@ def rig(tmp_path, namespace):
     with LocalShards(3) as sh:
         track(sh)
         store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
-        ckpt = Checkpointer(tmp_path / "ckpt", 3, sh.specs, store.client, run=namespace)
+        ckpt = Checkpointer(tmp_path / "ckpt", 3, sh.specs, store, run=namespace)
         logs = {s: ShardLog(tmp_path / "logs", s) for s in range(3)}
         for log in logs.values():
             log.open_segment(1)
@@ -232,7 +232,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
     from recovery.priority import MFUTracker, PrioritySaver, RowCounts, SSUTracker
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
-    ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store.client, run=namespace)
+    ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store, run=namespace)
     saver = None
     if strategy != "partial":
         tracker = MFUTracker(store) if strategy == "partial-mfu" else SSUTracker(store, 0.3, 500, seed)

@@ -1,0 +1,60 @@
+"""Check ``--redis`` endpoints before any trainer starts: connect, TLS, credentials, a PING.
+
+Each problem is named as what it is, with the shard and its endpoint (password removed):
+nothing listens there, the host does not resolve, TLS spoken to a plain server (or the other way
+round), a certificate that is not trusted, a wrong password or ACL user.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import redis
+
+from embeddings.errors import EndpointError
+from embeddings.redis_store import redact
+
+
+def _cause(e: BaseException) -> BaseException:
+    while e.__context__ is not None and not isinstance(e, (ssl.SSLError, OSError)):
+        e = e.__context__
+    return e
+
+
+def diagnose(url: str, e: BaseException, timeout_s: float) -> str:
+    """Why ``url`` did not answer a PING, in words."""
+    tls = urlsplit(url).scheme == "rediss"
+    text = f"{e} {_cause(e)}".lower()
+    if isinstance(e, redis.AuthenticationError) or any(w in text for w in ("wrongpass", "noauth", "invalid password")):
+        return "rejected the credentials: check the password (and ACL user) in the URL"
+    if tls and any(w in text for w in ("wrong version number", "record layer", "unexpected eof", "packet length")):
+        return "TLS handshake failed: the server does not speak TLS there (use redis:// for a plain server)"
+    if tls and ("certificate" in text or "verify failed" in text):
+        return f"TLS handshake failed: the server's certificate is not trusted ({_cause(e)})"
+    if tls and isinstance(e, redis.TimeoutError):
+        return f"no TLS handshake within {timeout_s:g}s: is the server speaking TLS on this port?"
+    if not tls and any(w in text for w in ("closed by server", "connection reset", "error while reading")):
+        return "the server closed the connection: if it only speaks TLS, use rediss://"
+    if "name or service not known" in text or "nodename nor servname" in text or "temporary failure in name" in text:
+        return f"cannot resolve host {urlsplit(url).hostname!r}"
+    if "connection refused" in text:
+        return "connection refused: no Redis server listens there"
+    if isinstance(e, redis.TimeoutError):
+        return f"no answer within {timeout_s:g}s"
+    return f"{type(_cause(e)).__name__}: {_cause(e)}"
+
+
+def check_endpoints(urls: Sequence[str], timeout_s: float = 5.0, connection_kwargs: dict | None = None) -> None:
+    """PING every URL once; raise ``EndpointError`` naming the first shard that cannot serve."""
+    for shard, url in enumerate(urls):
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **(connection_kwargs or {})
+        )
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as e:
+            raise EndpointError(f"shard {shard} at {redact(url)}: {diagnose(url, e, timeout_s)}") from None
+        finally:
+            client.close()

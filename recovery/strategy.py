@@ -1,0 +1,41 @@
+"""The shard-failure strategies, one type for the config, the CLI, the manager and the benchmark."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Strategy(StrEnum):
+    FULL = "full"
+    """Every shard back to the checkpoint; dense state and readers roll back and recompute."""
+    PARTIAL = "partial"
+    """CPR: only the failed shard back to its checkpoint; its updates since are lost and counted."""
+    PARTIAL_MFU = "partial-mfu"
+    """partial, plus priority saves of each shard's most frequently updated rows."""
+    PARTIAL_SSU = "partial-ssu"
+    """partial, plus priority saves of sub-sampled updated rows (bounded memory)."""
+    LOG = "log"
+    """partial, then the shard's update log is replayed: nothing lost."""
+
+    @classmethod
+    def parse(cls, value: str, where: str = "recovery") -> Strategy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{where}={value!r}: must be one of {', '.join(s.value for s in cls)}") from None
+
+    @property
+    def rolls_back(self) -> bool:
+        return self is Strategy.FULL
+
+    @property
+    def priority_saves(self) -> bool:
+        return self in (Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU)
+
+    @property
+    def replays_log(self) -> bool:
+        return self is Strategy.LOG
+
+    @property
+    def loses_updates(self) -> bool:
+        return self in (Strategy.PARTIAL, Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU)
