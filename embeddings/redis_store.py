@@ -220,6 +220,10 @@ class RedisStore(StoreBase):
             self._wires[shard].close()
         self._pools[shard].disconnect()
 
+    def _locked_get(self, shard: int, key: bytes) -> bytes | None:
+        with self._locks[shard]:
+            return self._wires[shard].get(key)
+
     def applied_steps(self) -> list[int | None]:
         """Per shard: the last step whose update it applied (None: never)."""
 
@@ -247,10 +251,11 @@ class RedisStore(StoreBase):
 
     def rollback(self, shard: int, to_step: int) -> int:
         """Undo the one step a shard applied after ``to_step`` (its undo record); returns rows restored."""
-        applied = self.applied_steps()[shard]
+        raw = self._call(shard, lambda: self._locked_get(shard, self.meta_key("applied")))
+        applied = None if raw is None else int(raw)
         if applied is None or applied <= to_step:
             return 0
-        blob = self._call(shard, lambda: self._wires[shard].get(self.meta_key("undo")))
+        blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo")))
         if blob is None:
             raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
         undo_step, groups = decode_groups(blob)

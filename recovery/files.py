@@ -24,3 +24,32 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+TRAINER_FAILURES = "trainer_failures.jsonl"  # one line per trainer death, read and cleared on resume
+
+
+def append_line(path: Path, record: dict) -> None:
+    """Append one JSON line and fsync it (a line torn by a kill is skipped by readers)."""
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_lines(path: Path) -> list[dict]:
+    import json
+
+    out = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # torn by a kill
+    return out

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recovery.errors import InjectionSpecError
-from recovery.files import write_atomic
+from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
 
 PHASES = ("checkpoint", "eval", "recovery", "resume")
 FIRED = "injections.jsonl"
-TRAINER_FAILURE = "trainer_failure.json"
 _WHEN = r"(?:step=(\d+)|t=(\d+(?:\.\d+)?)|during=(" + "|".join(PHASES) + r"))"
 _PATTERNS = {
     "shard": re.compile(r"shard:(\d+)@" + _WHEN),
@@ -166,15 +165,7 @@ class Injector:
 
     def _load(self) -> None:
         self._fired = {}
-        try:
-            lines = self.path.read_text().splitlines()
-        except OSError:
-            return
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line torn by a kill
+        for rec in read_lines(self.path):
             if "t0" in rec:
                 self.t0 = float(rec["t0"])
             elif "spec" in rec:
@@ -183,10 +174,7 @@ class Injector:
     def _record(self, inj: Injection, shards: list[int]) -> dict:
         rec = {"spec": str(inj), "kind": inj.kind, "target": inj.target, "shards": shards}
         rec.update(step=self.step, time=time.time(), t=round(time.time() - self.t0, 3), rank=self.rank)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, rec)
         self._fired[str(inj)] = rec
         return rec
 
@@ -268,7 +256,7 @@ class Injector:
             if inj.kind in ("trainer", "node"):
                 rec = self._record(inj, shards)
                 marker = {"kind": inj.kind, "rank": self.rank, "step": self.step, "time": rec["time"], "shards": shards}
-                write_atomic(self.run_dir / TRAINER_FAILURE, json.dumps(marker))
+                append_line(self.run_dir / TRAINER_FAILURES, marker)
                 for s in shards:
                     _signal(self.pidfiles[s], signal.SIGKILL)
                 if shards:

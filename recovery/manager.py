@@ -24,6 +24,7 @@ their undo records, dead shards recovered), fresh-start cleanup, log retention a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
-from recovery.files import write_atomic
+from recovery.files import TRAINER_FAILURES, read_lines, write_atomic
 from recovery.inject import Injector, read_pid
 from recovery.log import ShardLog
 from recovery.strategy import Strategy
@@ -47,7 +48,6 @@ from recovery.strategy import Strategy
 STRATEGIES = tuple(s.value for s in Strategy)
 MAX_ATTEMPTS = 8  # retries of one phase before the run gives up (shards that keep failing)
 IN_RECOVERY = "recovery_in_progress.json"  # shards whose restore a dead trainer may have left half-done
-TRAINER_FAILURE = "trainer_failure.json"  # written just before a trainer is killed (injector, supervisor)
 
 
 @dataclass
@@ -125,6 +125,13 @@ class RecoveryManager:
         for log in self.logs.values():
             log.close()
 
+    def note(self, what: str) -> None:
+        """One line of the run's recovery journal (``{run}/recovery.log``): what was done, when."""
+        if self.run_dir is None:
+            return
+        with open(self.run_dir / "recovery.log", "a") as f:
+            f.write(f"{time.time():.3f} pid={os.getpid()} rank={self.rank} {what}\n")
+
     # -- the commit protocol --------------------------------------------------------------------
     def guard(self, fn: Callable[[], object]) -> tuple[bool, object]:
         """Run a store call; a failed shard is recorded (not raised) for the next commit point."""
@@ -146,6 +153,7 @@ class RecoveryManager:
         failed = self.sync()
         if not failed:
             return CONTINUE
+        self.note(f"step {step} {phase}: shards {failed} failed")
         return self.recover_outcome(failed, step, phase)
 
     def run_phase(self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object]) -> Outcome:
@@ -286,7 +294,11 @@ class RecoveryManager:
             try:
                 rec, restored_to[s] = self._recover_one(s, step)
                 records.append(rec)
+                self.note(
+                    f"step {step}: shard {s} restored from step {rec['restored_from_step']}, now as of {restored_to[s]}"
+                )
             except ShardUnavailableError as e:  # a shard died while we restored (this one or another)
+                self.note(f"step {step}: shard {e.shard} failed while shard {s} was being recovered")
                 self._detected.setdefault(e.shard, time.time())
                 self._mark_in_recovery(sorted({*pending, s, e.shard}))
                 pending += [x for x in (e.shard, s) if x not in pending]
@@ -434,7 +446,7 @@ class RecoveryManager:
                 for seg in Path(self.log_dir).glob("shard*/seg_*.log"):
                     seg.unlink()
             if self.run_dir is not None:
-                (self.run_dir / TRAINER_FAILURE).unlink(missing_ok=True)
+                (self.run_dir / TRAINER_FAILURES).unlink(missing_ok=True)
                 (self.run_dir / IN_RECOVERY).unlink(missing_ok=True)
         self.collective.barrier()
         for log in self.logs.values():
@@ -455,12 +467,20 @@ class RecoveryManager:
                 self._flags[s] = 1
                 self._detected.setdefault(s, time.time())
 
+        done: set[int] = set()
+
         def roll_back(only) -> None:
+            """Every shard not yet rolled back, and the recovered ones again (each on its own)."""
             if self.rank != 0:
                 return
-            for s in range(self.store.num_shards) if only is None else only:
+            for s in range(self.store.num_shards):
+                if s in done and (only is None or s not in only):
+                    continue
                 ok, n = self.guard(lambda s=s: self.store.rollback(s, step))
-                rolled.append(n if ok else 0)
+                if ok:
+                    done.add(s)
+                    rolled.append(n)
+                self.note(f"resume at step {step}: shard {s} " + (f"rolled back {n} rows" if ok else "unavailable"))
 
         if self.injector is not None:
             self.injector.during("resume")
@@ -480,27 +500,30 @@ class RecoveryManager:
             return []
 
     def _record_trainer_failure(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
-        marker = self.run_dir / TRAINER_FAILURE if self.run_dir is not None else None
-        if self.rank != 0 or marker is None or not marker.exists():
+        """Rank 0: one record per trainer death since the last resume (injected, or seen by the launcher)."""
+        path = self.run_dir / TRAINER_FAILURES if self.run_dir is not None else None
+        if self.rank != 0 or path is None or not path.exists():
             return
-        info = json.loads(marker.read_text())
-        self.failures.append(
-            {
-                "kind": info.get("kind", "trainer"),
-                "target": info["rank"],
-                "step": info.get("step"),
-                "strategy": "restart",
-                **({"shards": info["shards"]} if info.get("shards") else {}),
-                "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
-                "recovery_s": round(time.time() - t_restart, 4),
-                "restored_bytes": restored_bytes,
-                "rolled_back_rows": rolled,
-                "lost_updates": 0,
-                "lost_samples": 0.0,
-                "replayed_steps": (info["step"] - step) if info.get("step") is not None else None,
-            }
-        )
-        marker.unlink()
+        for info in read_lines(path):
+            died_at = info.get("step")
+            self.failures.append(
+                {
+                    "kind": info.get("kind", "trainer"),
+                    "target": info["rank"],
+                    "step": died_at,
+                    "strategy": "restart",
+                    **({"shards": info["shards"]} if info.get("shards") else {}),
+                    "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
+                    "recovery_s": round(time.time() - t_restart, 4),
+                    "restored_bytes": restored_bytes,
+                    "rolled_back_rows": rolled,
+                    "lost_updates": 0,
+                    "lost_samples": 0.0,
+                    "replayed_steps": max(0, died_at - step) if died_at else None,
+                }
+            )
+            rolled = 0  # counted once, on the first
+        path.unlink()
 
     # -- persistence across trainer restarts ------------------------------------------------------
     def state(self) -> dict:

@@ -23,10 +23,9 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from embeddings import rowkeys
 from embeddings.redis_store import RedisStore, decode_groups, encode_groups
 from recovery.errors import CorruptCheckpointError
-
-_ROW_BITS = 40
 
 
 class RowCounts:
@@ -59,7 +58,7 @@ class MFUTracker:
         for t, c in enumerate(self.counts):
             ids = np.flatnonzero(c)
             ids = ids[self.store.shard_map.shard_of(t, ids) == shard]
-            keys.append(ids.astype(np.int64) | (t << _ROW_BITS))
+            keys.append(rowkeys.pack(t, ids))
             counts.append(c[ids])
         return _top(np.concatenate(keys), np.concatenate(counts), budget)
 
@@ -80,7 +79,7 @@ class SSUTracker:
             return
         owner = self.store.shard_map.shard_of(t, sampled)
         for s in np.unique(owner).tolist():
-            k = np.concatenate([self.keys[s], sampled[owner == s].astype(np.int64) | (t << _ROW_BITS)])
+            k = np.concatenate([self.keys[s], rowkeys.pack(t, sampled[owner == s])])
             c = np.concatenate([self.counts[s], np.ones(int((owner == s).sum()), np.int64)])
             uk, inv = np.unique(k, return_inverse=True)
             uc = np.bincount(inv, weights=c).astype(np.int64)
@@ -102,8 +101,7 @@ def _top(keys: np.ndarray, counts: np.ndarray, budget: int) -> list[tuple[int, n
         idx = np.argpartition(-counts, budget - 1)[:budget]
         keys = keys[idx]
     keys = np.sort(keys)
-    tables = keys >> _ROW_BITS
-    rows = keys & ((1 << _ROW_BITS) - 1)
+    tables, rows = rowkeys.unpack(keys)
     return [(int(t), rows[tables == t]) for t in np.unique(tables).tolist()]
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 from embeddings import LocalShards
 from embeddings.endpoints import check_endpoints
 from embeddings.launcher import free_port
-from recovery.inject import TRAINER_FAILURE
+from recovery.files import TRAINER_FAILURES, append_line, read_lines
 from recsys.config import RunConfig
 from recsys.datasets import prepare
 from recsys.errors import read_errors
@@ -76,7 +75,10 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ["RECSYS_SUPERVISED"] = "1"  # trainers leave their error lines to us
     # the agent's own reports of a dead worker are replaced by the one line below
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a killed trainer leaves a semaphore for multiprocessing's tracker to reap: not the user's concern
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
     out = Path(cfg.train.out)
     restarts = 0
     while True:
@@ -101,9 +103,9 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
             failures = {int(r): f for r, f in e.failures.items()}
         errors = read_errors(out)
         killed = {r: f.exitcode for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
-        marker = out / TRAINER_FAILURE
+        deaths = read_lines(out / TRAINER_FAILURES)
         fatal = [x for x in errors.values() if not _peer_lost(x)]
-        if fatal and not killed and not marker.exists():
+        if fatal and not killed and not deaths:
             first = sorted(fatal, key=lambda x: x["who"])[0]
             raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {out / 'errors'})")
         rank = min(killed) if killed else min(failures)
@@ -113,8 +115,8 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
             raise TrainerFailed(
                 f"trainer rank {rank} died ({why}) after {restarts} restart(s) of {cfg.recovery.max_restarts}{hint}"
             )
-        if not marker.exists():  # not injected: record what the supervisor saw
-            marker.write_text(json.dumps({"kind": "trainer", "rank": rank, "step": None, "time": time.time()}))
+        if not deaths:  # not injected: record what the supervisor saw
+            append_line(out / TRAINER_FAILURES, {"kind": "trainer", "rank": rank, "step": None, "time": time.time()})
         restarts += 1
         print(
             f"trainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",

@@ -16,9 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from embeddings import rowkeys
 from embeddings.shard_map import ShardMap
-
-_ROW_BITS = 40  # a row id fits in 40 bits (10^12 rows per table); the table index sits above it
 
 
 @dataclass
@@ -36,7 +35,7 @@ def pack(
     for t, name in enumerate(names):
         if name in grads:
             ids, g = grads[name]
-            keys.append(torch.from_numpy(np.asarray(ids, np.int64) | (t << _ROW_BITS)))
+            keys.append(torch.from_numpy(rowkeys.pack(t, np.asarray(ids, np.int64))))
             blocks.append(g.detach().to(torch.float32).reshape(-1, dim))
     if not keys:
         return torch.empty(0, dtype=torch.int64), torch.empty((0, dim), dtype=torch.float32)
@@ -79,8 +78,7 @@ def aggregate(
     summed.index_add_(0, inverse, g)
     if world_size > 1:
         summed /= world_size
-    tables = (uniq >> _ROW_BITS).numpy()
-    rows = (uniq & ((1 << _ROW_BITS) - 1)).numpy()
+    tables, rows = (x.numpy() for x in rowkeys.unpack(uniq))
     owned, updated = {}, {}
     for t in np.unique(tables).tolist():
         sel = np.flatnonzero(tables == t)

@@ -441,7 +441,11 @@ class Trainer:
         resumed = self.dense_saver.load()
         if self.rank == 0:
             self.out = RunOutputs(self.cfg, append=resumed is not None)
+        t_restart = time.time()
+        if resumed is not None:
+            self.load_state_dict(resumed)
         if self.injector is not None:
+            self.injector.step = self.step
             self.injector.start(fresh=resumed is None, barrier=self.coll.barrier)
         if resumed is None:
             self.recovery.fresh_start()
@@ -451,8 +455,6 @@ class Trainer:
                     raise RuntimeError("a shard failed before the first checkpoint was taken")
                 self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
             return
-        t_restart = time.time()
-        self.load_state_dict(resumed)
         out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size)
         if out.rolled_back:
             self.roll_back(out.to_step)
