@@ -7,6 +7,7 @@ round), a certificate that is not trusted, a wrong password or ACL user.
 
 from __future__ import annotations
 
+import socket
 import ssl
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -55,6 +56,21 @@ def check_endpoints(urls: Sequence[str], timeout_s: float = 5.0, connection_kwar
         try:
             client.ping()
         except (redis.RedisError, OSError) as e:
-            raise EndpointError(f"shard {shard} at {redact(url)}: {diagnose(url, e, timeout_s)}") from None
+            why = diagnose(url, e, timeout_s)
+            if urlsplit(url).scheme == "rediss" and _speaks_plain(url, timeout_s):
+                why = "the server speaks plain Redis, not TLS: use redis:// (or enable TLS on the server)"
+            raise EndpointError(f"shard {shard} at {redact(url)}: {why}") from None
         finally:
             client.close()
+
+
+def _speaks_plain(url: str, timeout_s: float) -> bool:
+    """Does a plain (non-TLS) connection to the same host and port get a Redis answer?"""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 6379), timeout=min(timeout_s, 2.0)) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH", b"-ERR"))

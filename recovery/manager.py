@@ -424,7 +424,11 @@ class RecoveryManager:
         rec["failed_shards"] = failed
         ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec)
         if ckpt is None:
-            raise RecoveryError("full recovery needs a checkpoint (--checkpoint-every K)")
+            corrupt = "; ".join(rec.get("corrupt_checkpoints", [])) or "none was taken"
+            where = self.checkpointer.dir if self.checkpointer is not None else "(checkpoints off)"
+            raise RecoveryError(
+                f"full recovery of shards {failed} at step {step}: no verified checkpoint in {where} ({corrupt})"
+            )
         ckpt.verify()  # dense files too
         rec["restored_from_step"] = ckpt.step
         rec["restored_bytes"] = sum(self._restore_shard(spec, ckpt) for spec in self.shards)

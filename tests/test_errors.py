@@ -1,0 +1,103 @@
+"""Runtime faults end in one clear line on the terminal, a non-zero exit status and no traceback;
+the traceback goes to the run folder. Real processes: the CLI, real redis-servers, real files."""
+
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.synthetic import SyntheticConfig, write_tsv
+from embeddings import LocalShards
+from embeddings.launcher import free_port
+from tests.conftest import track
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--steps", "5", "--rows-per-table", "500", "--batch-size", "64", "--embedding-dim", "8"]
+SMALL += ["--eval-every", "0", "--eval-samples", "512", "--trainers", "1"]
+
+
+def cli(tmp_path: Path, *flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recsys", "train", *SMALL, "--out", str(tmp_path / "run"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def plain_shard():
+    with LocalShards(1) as sh:
+        track(sh)
+        yield sh
+
+
+def test_unreachable_redis_url_is_named_before_any_trainer_starts(tmp_path):
+    port = free_port()
+    line = one_error_line(cli(tmp_path, "--redis", f"redis://127.0.0.1:{port}"))
+    assert f"shard 0 at redis://127.0.0.1:{port}" in line and "connection refused" in line
+    assert "restarting and restoring" not in line  # not mistaken for a recovery failure
+
+
+def test_wrong_password_is_named_as_such(tmp_path):
+    with LocalShards(1, password="right-pw") as sh:
+        track(sh)
+        port = sh.ports[0]
+        line = one_error_line(cli(tmp_path, "--redis", f"redis://:wrong-pw@127.0.0.1:{port}"))
+    assert f"shard 0 at redis://127.0.0.1:{port}" in line and "rejected the credentials" in line
+    assert "wrong-pw" not in line  # the password never reaches the terminal
+
+
+def test_tls_spoken_to_a_plain_server_is_named_as_such(tmp_path, plain_shard):
+    port = plain_shard.ports[0]
+    line = one_error_line(cli(tmp_path, "--redis", f"rediss://127.0.0.1:{port}", "--timeout", "2"))
+    assert f"shard 0 at rediss://127.0.0.1:{port}" in line and "TLS" in line and "redis://" in line
+
+
+def test_a_truncated_gzip_file_names_the_file_and_the_line(tmp_path):
+    tsv = tmp_path / "train.txt"
+    write_tsv(SyntheticConfig(), tsv, 3000)
+    gz = tmp_path / "train.txt.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(tsv.read_bytes())
+    data = gz.read_bytes()
+    gz.write_bytes(data[: len(data) // 2])  # a download cut short
+    line = one_error_line(cli(tmp_path, "--data", f"criteo-kaggle:{gz}", "--embeddings", "local"))
+    assert str(gz) in line and "truncated or damaged" in line and "after line" in line
+
+
+def test_an_error_inside_a_trainer_process_is_one_line_with_the_traceback_kept(tmp_path):
+    # every checkpoint corrupt, then a shard fails under full recovery: nothing to restore from
+    proc = cli(
+        tmp_path,
+        "--trainers",
+        "2",
+        "--steps",
+        "12",
+        "--recovery",
+        "full",
+        "--checkpoint-every",
+        "5",
+        "--keep-checkpoints",
+        "1",
+        "--inject",
+        "corrupt-checkpoint:latest",
+        "--inject",
+        "shard:1@step=8",
+    )
+    line = one_error_line(proc)
+    assert "trainer0" in line and "recovery" in line and "no verified checkpoint" in line
+    log = (tmp_path / "run" / "errors" / "trainer0.log").read_text()
+    assert "Traceback" in log and "RecoveryError" in log
