@@ -64,13 +64,15 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
     model.eval()
     logits, labels = [], []
     n = num_samples if source.num_rows is None else min(num_samples, source.num_rows)
-    with torch.no_grad(), backend.evaluating():
-        for lo in range(0, n, EVAL_BATCH):
-            a = source.read(lo, min(EVAL_BATCH, n - lo))
-            b = make_batch(a.dense, a.sparse, a.labels)
-            logits.append(model(b.dense_features, b.sparse_features).squeeze(1).numpy())
-            labels.append(b.labels.numpy())
-    model.train(was_training)
+    try:
+        with torch.no_grad(), backend.evaluating():
+            for lo in range(0, n, EVAL_BATCH):
+                a = source.read(lo, min(EVAL_BATCH, n - lo))
+                b = make_batch(a.dense, a.sparse, a.labels)
+                logits.append(model(b.dense_features, b.sparse_features).squeeze(1).numpy())
+                labels.append(b.labels.numpy())
+    finally:  # a shard failure mid-evaluation must not leave the model in eval mode
+        model.train(was_training)
     return evaluate_scores(np.concatenate(logits), np.concatenate(labels))
 
 

@@ -130,3 +130,65 @@ def test_a_corrupted_checkpoint_is_never_loaded(tmp_path, baseline):
     assert "step 20" in f["corrupt_checkpoints"][0] and "shard1.rdb" in f["corrupt_checkpoints"][0]
     # the logs reach back to the oldest kept checkpoint, so the fallback still replays exactly
     assert f["lost_updates"] == 0 and s["embedding_digest"] == baseline["embedding_digest"]
+
+
+@pytest.mark.parametrize(
+    ("phase", "flags"),
+    [
+        ("checkpoint", ["--inject", "shard:1@during=checkpoint"]),
+        ("eval", ["--eval-every", "10", "--inject", "shard:2@during=eval"]),
+        ("resume", ["--max-restarts", "2", "--inject", "trainer:1@step=22", "--inject", "shard:0@during=resume"]),
+        ("recovery", ["--inject", "shard:1@step=25", "--inject", "shard:2@during=recovery"]),
+    ],
+)
+def test_a_shard_dying_during_a_phase_is_recovered_there_and_loses_nothing(tmp_path, baseline, phase, flags):
+    s = train(tmp_path, "--recovery", "log", "--checkpoint-every", "10", *flags)
+    shard_records = [f for f in s["failures"] if f["strategy"] == "log"]
+    target = int(flags[-1].split(":")[1].split("@")[0])
+    assert any(f["target"] == target for f in shard_records), s["failures"]
+    if phase == "recovery":  # shard 2 died while shard 1 was restored; the retried phase recovered it
+        assert {f["target"] for f in shard_records} == {1, 2}
+        assert [f["step"] for f in shard_records] == [25, 25]
+    else:
+        (f,) = [f for f in shard_records if f["target"] == target]
+        assert f["phase"] == phase
+    assert s["injections_not_fired"] == []
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+    if phase == "eval":  # the evaluation was retried on the recovered shard, not skipped
+        evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in evals if "auc" in r] == [10, 20, 30, 40]
+    if phase == "checkpoint":  # the checkpoint of that step was taken after the recovery, not dropped
+        assert [c["step"] for c in s["checkpoints"] if not c.get("abandoned")] == [0, 10, 20, 30, 40]
+
+
+def test_repeated_partial_failures_of_one_shard_count_each_loss_once(tmp_path):
+    """Shard 1 fails at step 25, then again at step 32, within one checkpoint interval: the second
+    loss is what was trained since the first failure, in updates and in samples alike."""
+    logs = tmp_path / "logs"
+    s = train(
+        tmp_path,
+        "--recovery",
+        "partial",
+        "--checkpoint-every",
+        "20",
+        "--log-dir",
+        str(logs),
+        "--inject",
+        "shard:1@step=25",
+        "--inject",
+        "shard:1@step=32",
+    )
+    first, second = s["failures"]
+    assert (first["step"], second["step"]) == (25, 32) and first["restored_from_step"] == 20 == second["restored_from_step"]
+    from recovery.log import ShardLog
+
+    def rows(shard: int, after: int, upto: int) -> int:
+        return sum(len(r.ids) for r in ShardLog(logs, shard).records(after_step=after, up_to_step=upto))
+
+    assert first["lost_updates"] == rows(1, 20, 24) > 0
+    assert second["lost_updates"] == rows(1, 24, 31) > 0  # not steps 21-24 again
+    everything = sum(rows(s, 24, 31) for s in range(3))
+    assert second["lost_samples"] == pytest.approx(7 * 256 * second["lost_updates"] / everything, abs=1e-3)
+    everything = sum(rows(s, 20, 24) for s in range(3))
+    assert first["lost_samples"] == pytest.approx(4 * 256 * first["lost_updates"] / everything, abs=1e-3)
+    assert s["pls"] == pytest.approx((first["lost_samples"] + second["lost_samples"]) / (40 * 256), rel=1e-6)
