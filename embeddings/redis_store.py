@@ -224,6 +224,11 @@ class RedisStore(StoreBase):
         with self._locks[shard]:
             return self._wires[shard].get(key)
 
+    def applied_step(self, shard: int) -> int | None:
+        """The last step whose update this shard applied (None: never)."""
+        raw = self._call(shard, lambda: self._locked_get(shard, self.meta_key("applied")))
+        return None if raw is None else int(raw)
+
     def applied_steps(self) -> list[int | None]:
         """Per shard: the last step whose update it applied (None: never)."""
 
@@ -251,8 +256,7 @@ class RedisStore(StoreBase):
 
     def rollback(self, shard: int, to_step: int) -> int:
         """Undo the one step a shard applied after ``to_step`` (its undo record); returns rows restored."""
-        raw = self._call(shard, lambda: self._locked_get(shard, self.meta_key("applied")))
-        applied = None if raw is None else int(raw)
+        applied = self.applied_step(shard)
         if applied is None or applied <= to_step:
             return 0
         blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo")))

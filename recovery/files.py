@@ -26,7 +26,8 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     fsync_dir(path.parent)
 
 
-TRAINER_FAILURES = "trainer_failures.jsonl"  # one line per trainer death, read and cleared on resume
+TRAINER_FAILURES = "trainer_failures.jsonl"  # one line per trainer death (injector, launcher)
+FAILURES = "failures.jsonl"  # the run's failure records, appended by rank 0 as each recovery ends
 
 
 def append_line(path: Path, record: dict) -> None:

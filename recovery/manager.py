@@ -35,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from embeddings import RedisStore, ShardUnavailableError
+from embeddings import RedisStore, ShardDataError, ShardUnavailableError
 from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
-from recovery.files import TRAINER_FAILURES, read_lines, write_atomic
+from recovery.files import FAILURES, TRAINER_FAILURES, append_line, read_lines, write_atomic
 from recovery.inject import Injector, read_pid
 from recovery.log import ShardLog
 from recovery.strategy import Strategy
@@ -138,9 +138,13 @@ class RecoveryManager:
         try:
             return True, fn()
         except ShardUnavailableError as e:
-            self._flags[e.shard] = 1
-            self._detected.setdefault(e.shard, time.time())
+            self._fail(e.shard)
             return False, None
+
+    def _fail(self, shard: int) -> None:
+        """Record a shard as failed for the next commit point (as ``guard`` does on an error)."""
+        self._flags[shard] = 1
+        self._detected.setdefault(shard, time.time())
 
     def sync(self) -> list[int]:
         """Failed shards seen by any trainer since the last commit point (a collective)."""
@@ -249,7 +253,7 @@ class RecoveryManager:
         error: Exception | None = None
         if self.rank == 0:
             try:
-                rollback, restored_to, records = self._recover_on_rank0(failed, step)
+                rollback, restored_to, records = self._recover_on_rank0(failed, step, phase)
                 verdict[1] = rollback + 1
                 for s, at in restored_to.items():
                     verdict[2 + s] = 1
@@ -265,11 +269,6 @@ class RecoveryManager:
         for s in range(n) if self.strategy.rolls_back else recovered:
             self.store.reconnect(s)  # connections to the old processes are dead
         self.drain()
-        done = time.time()
-        for r in records:
-            r["recovery_s"] = round(done - r.pop("_detected_at"), 4)
-            r["phase"] = phase
-            self.failures.append(r)
         for s in recovered:
             self._detected.pop(s, None)
         if verdict[1] > 0:
@@ -278,12 +277,18 @@ class RecoveryManager:
             return Outcome(Action.ROLLBACK, tuple(recovered), tuple(recovered), to)
         return Outcome(Action.RETRY, tuple(recovered), tuple(int(s) for s in np.flatnonzero(verdict[2 + n :])))
 
-    def _recover_on_rank0(self, failed: list[int], step: int) -> tuple[int, dict[int, int], list[dict]]:
+    def _finish_record(self, rec: dict, phase: str) -> None:
+        rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
+        rec["phase"] = phase
+        self._record(rec)  # durable now: a trainer that dies before the next commit point does not lose it
+
+    def _recover_on_rank0(self, failed: list[int], step: int, phase: str) -> tuple[int, dict[int, int], list[dict]]:
         """-> (rollback step or -1, shard -> the step its state is now as of, failure records).
         A shard that fails during the recovery of another is recovered in the same round."""
         self._mark_in_recovery(failed)
         if self.strategy.rolls_back:
             rollback, rec = self._recover_full(failed, step)
+            self._finish_record(rec, phase)
             self._mark_in_recovery([])
             return rollback, dict.fromkeys(range(self.store.num_shards), rollback), [rec]
         pending, restored_to, records = list(failed), {}, []
@@ -293,6 +298,7 @@ class RecoveryManager:
             s = pending.pop(0)
             try:
                 rec, restored_to[s] = self._recover_one(s, step)
+                self._finish_record(rec, phase)
                 records.append(rec)
                 self.note(
                     f"step {step}: shard {s} restored from step {rec['restored_from_step']}, now as of {restored_to[s]}"
@@ -306,6 +312,15 @@ class RecoveryManager:
             raise RecoveryError(f"shards {pending} kept failing while being recovered at step {step}")
         self._mark_in_recovery([])
         return -1, restored_to, records
+
+    def _record(self, rec: dict) -> None:
+        """A failure record, durable at once (a restart that follows must not lose it)."""
+        self.failures.append(rec)
+        if self.run_dir is not None and self.rank == 0:
+            append_line(self.run_dir / FAILURES, rec)
+
+    def summary_failures(self) -> list[dict]:
+        return [{k: v for k, v in f.items() if not k.startswith("_")} for f in self.failures]
 
     def _mark_in_recovery(self, shards: list[int]) -> None:
         """Durable note of the shards being restored: a trainer restart redoes a restore cut short."""
@@ -400,6 +415,7 @@ class RecoveryManager:
             rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
             self.lost.append(rec["lost_samples"])
             self._lost_since[shard] = (completed, self.counter.total.tolist())
+            rec["_since"] = [completed, self.counter.total.tolist()]
         return rec, as_of
 
     def _replay(self, shard: int, after_step: int) -> tuple[int, int]:
@@ -451,6 +467,7 @@ class RecoveryManager:
                     seg.unlink()
             if self.run_dir is not None:
                 (self.run_dir / TRAINER_FAILURES).unlink(missing_ok=True)
+                (self.run_dir / FAILURES).unlink(missing_ok=True)
                 (self.run_dir / IN_RECOVERY).unlink(missing_ok=True)
         self.collective.barrier()
         for log in self.logs.values():
@@ -463,28 +480,45 @@ class RecoveryManager:
         dead (a node failure takes its shards too) or whose restore was cut short are recovered
         under the run's strategy. Returns the protocol's outcome (``full`` may roll back further)."""
         rolled: list[int] = []
+        self._load_journal()
         if self.rank == 0:
             if self.log_dir is not None:
                 for s in range(self.store.num_shards):
                     ShardLog(self.log_dir, s).truncate_after(step)
             for s in self._interrupted_restores():
-                self._flags[s] = 1
-                self._detected.setdefault(s, time.time())
+                self._fail(s)
 
         done: set[int] = set()
+        strict = self.strategy.replays_log or self.strategy.rolls_back  # exact strategies
 
         def roll_back(only) -> None:
-            """Every shard not yet rolled back, and the recovered ones again (each on its own)."""
+            """Each shard on its own to ``step``: undo ``step + 1``; a shard that cannot get there (dead,
+            no matching undo record, or behind ``step`` under an exact strategy, as a restore that its
+            trainers never acted on leaves it) is failed here and recovered by the protocol."""
             if self.rank != 0:
                 return
             for s in range(self.store.num_shards):
-                if s in done and (only is None or s not in only):
+                recovered = only is not None and s in only
+                if s in done and not recovered:
                     continue
-                ok, n = self.guard(lambda s=s: self.store.rollback(s, step))
+                ok, applied = self.guard(lambda s=s: self.store.applied_step(s))
+                if not ok:
+                    self.note(f"resume at step {step}: shard {s} unavailable")
+                    continue
+                if strict and not recovered and (applied is None or applied < step) and step > 0:
+                    self.note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
+                    self._fail(s)
+                    continue
+                try:
+                    ok, n = self.guard(lambda s=s: self.store.rollback(s, step))
+                except ShardDataError as e:  # no undo record that fits: its rows cannot be trusted
+                    self.note(f"resume at step {step}: shard {s}: {e}; recovering it")
+                    self._fail(s)
+                    continue
                 if ok:
                     done.add(s)
                     rolled.append(n)
-                self.note(f"resume at step {step}: shard {s} " + (f"rolled back {n} rows" if ok else "unavailable"))
+                    self.note(f"resume at step {step}: shard {s} at step {applied}, rolled back {n} rows")
 
         if self.injector is not None:
             self.injector.during("resume")
@@ -503,18 +537,32 @@ class RecoveryManager:
         except (OSError, ValueError):
             return []
 
-    def _record_trainer_failure(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
-        """Rank 0: one record per trainer death since the last resume (injected, or seen by the launcher)."""
-        path = self.run_dir / TRAINER_FAILURES if self.run_dir is not None else None
-        if self.rank != 0 or path is None or not path.exists():
+    def _load_journal(self) -> None:
+        """Rank 0 after a restart: the failures so far are the journal's (the dense state may be
+        older than the last of them); the loss accounting follows them."""
+        if self.rank != 0 or self.run_dir is None:
             return
-        for info in read_lines(path):
+        self.failures = read_lines(self.run_dir / FAILURES)
+        self.lost = [f["lost_samples"] for f in self.failures if "_since" in f]
+        for f in self.failures:
+            if "_since" in f:
+                self._lost_since[int(f["target"])] = (int(f["_since"][0]), list(f["_since"][1]))
+
+    def _record_trainer_failure(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
+        """Rank 0: one record per trainer death not yet recorded (injected, or seen by the launcher)."""
+        if self.rank != 0 or self.run_dir is None:
+            return
+        seen = {f.get("_death") for f in self.failures}
+        for info in read_lines(self.run_dir / TRAINER_FAILURES):
+            death = f"{info['rank']}@{info['time']}"
+            if death in seen:
+                continue
             died_at = info.get("step")
-            self.failures.append(
+            self._record(
                 {
                     "kind": info.get("kind", "trainer"),
                     "target": info["rank"],
-                    "step": died_at,
+                    "step": died_at if died_at is not None else step + 1,
                     "strategy": "restart",
                     **({"shards": info["shards"]} if info.get("shards") else {}),
                     "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
@@ -523,11 +571,11 @@ class RecoveryManager:
                     "rolled_back_rows": rolled,
                     "lost_updates": 0,
                     "lost_samples": 0.0,
-                    "replayed_steps": max(0, died_at - step) if died_at else None,
+                    "replayed_steps": max(0, died_at - step) if died_at else 0,
+                    "_death": death,
                 }
             )
             rolled = 0  # counted once, on the first
-        path.unlink()
 
     # -- persistence across trainer restarts ------------------------------------------------------
     def state(self) -> dict:
@@ -555,8 +603,16 @@ class NoRecovery:
     priority = None
     strategy = None
 
+    def summary_failures(self) -> list[dict]:
+        return []
+
     def guard(self, fn):
         return True, fn()
+
+    def _fail(self, shard: int) -> None:
+        """Record a shard as failed for the next commit point (as ``guard`` does on an error)."""
+        self._flags[shard] = 1
+        self._detected.setdefault(shard, time.time())
 
     def sync(self) -> list[int]:
         return []

@@ -83,6 +83,7 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
     restarts = 0
     while True:
         shutil.rmtree(out / "errors", ignore_errors=True)
+        started = time.time()
         lc = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -103,7 +104,7 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
             failures = {int(r): f for r, f in e.failures.items()}
         errors = read_errors(out)
         killed = {r: f.exitcode for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
-        deaths = read_lines(out / TRAINER_FAILURES)
+        deaths = [d for d in read_lines(out / TRAINER_FAILURES) if d.get("time", 0) >= started]
         fatal = [x for x in errors.values() if not _peer_lost(x)]
         if fatal and not killed and not deaths:
             first = sorted(fatal, key=lambda x: x["who"])[0]

@@ -80,7 +80,7 @@ def plot_training(records: list[dict], summary: dict, path: Path) -> None:
         ax_auc.axhline(
             summary["ceiling_auc"], color="gray", ls="--", label=f"teacher ceiling {summary['ceiling_auc']:.4f}"
         )
-    for i, f in enumerate(summary.get("failures", [])):
+    for i, f in enumerate(f for f in summary.get("failures", []) if f.get("step") is not None):
         for ax in (ax_loss, ax_auc):
             ax.axvline(
                 f["step"], color="red", ls=":", label=f"{f['kind']} failure" if i == 0 and ax is ax_loss else None

@@ -513,10 +513,10 @@ class Trainer:
             "final_logloss": final["logloss"],
             "final_ne": final["ne"],
             "ceiling_auc": self.data.ceiling_auc,
-            "failures": rec.failures,
+            "failures": rec.summary_failures(),
             "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in fired],
             "injections_not_fired": self.injector.not_fired() if self.injector is not None else [],
-            "pls": pls(rec.lost, steps * G),
+            "pls": pls(rec.lost, steps * G),  # rank 0's losses: every partial recovery of the run
             "embedding_digest": digest,
             "embeddings": cfg.embeddings.embeddings,
             "trainers": self.world_size,

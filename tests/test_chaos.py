@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from recovery.inject import parse_injection
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--steps", "150", "--trainers", "2", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
 BASE += ["--embedding-dim", "8", "--eval-every", "50", "--eval-samples", "2048", "--log-every", "5"]
@@ -64,7 +66,7 @@ def baseline(tmp_path_factory) -> dict:
 def every_failure_fired_and_recorded(s: dict, injections: list[str], strategy: str) -> None:
     msg = f"seed {SEED}: {injections}: {json.dumps(s['failures'])}"
     assert s["injections_not_fired"] == [], msg
-    assert sorted(r["spec"] for r in s["injected"]) == sorted(injections), msg
+    assert sorted(r["spec"] for r in s["injected"]) == sorted(str(parse_injection(x)) for x in injections), msg
     restarts = {(f["kind"], f["target"]) for f in s["failures"] if f["strategy"] == "restart"}
     trainer, node = (parse(injections[i]) for i in (2, 3))
     assert ("trainer", trainer) in restarts and ("node", node) in restarts, msg

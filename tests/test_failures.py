@@ -179,7 +179,9 @@ def test_repeated_partial_failures_of_one_shard_count_each_loss_once(tmp_path):
         "shard:1@step=32",
     )
     first, second = s["failures"]
-    assert (first["step"], second["step"]) == (25, 32) and first["restored_from_step"] == 20 == second["restored_from_step"]
+    assert (first["step"], second["step"]) == (25, 32) and first["restored_from_step"] == 20 == second[
+        "restored_from_step"
+    ]
     from recovery.log import ShardLog
 
     def rows(shard: int, after: int, upto: int) -> int:
