@@ -15,9 +15,5 @@ class NoCheckpointError(RecoveryError):
     """No complete, verified checkpoint to restore from."""
 
 
-class CorruptLogError(RecoveryError):
-    """A log record in the middle of a log (not a torn tail) does not verify."""
-
-
 class InjectionSpecError(RecoveryError, ValueError):
     """A ``--inject`` value that does not parse."""

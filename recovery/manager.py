@@ -249,11 +249,10 @@ class RecoveryManager:
             )
         # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
         verdict = np.zeros(2 + 2 * n, dtype=np.int64)
-        records: list[dict] = []
         error: Exception | None = None
         if self.rank == 0:
             try:
-                rollback, restored_to, records = self._recover_on_rank0(failed, step, phase)
+                rollback, restored_to = self._recover_on_rank0(failed, step, phase)
                 verdict[1] = rollback + 1
                 for s, at in restored_to.items():
                     verdict[2 + s] = 1
@@ -282,16 +281,17 @@ class RecoveryManager:
         rec["phase"] = phase
         self._record(rec)  # durable now: a trainer that dies before the next commit point does not lose it
 
-    def _recover_on_rank0(self, failed: list[int], step: int, phase: str) -> tuple[int, dict[int, int], list[dict]]:
-        """-> (rollback step or -1, shard -> the step its state is now as of, failure records).
-        A shard that fails during the recovery of another is recovered in the same round."""
+    def _recover_on_rank0(self, failed: list[int], step: int, phase: str) -> tuple[int, dict[int, int]]:
+        """-> (rollback step or -1, shard -> the step its state is now as of); each failure record is
+        journaled as its shard comes back. A shard that fails during the recovery of another is
+        recovered in the same round."""
         self._mark_in_recovery(failed)
         if self.strategy.rolls_back:
             rollback, rec = self._recover_full(failed, step)
             self._finish_record(rec, phase)
             self._mark_in_recovery([])
-            return rollback, dict.fromkeys(range(self.store.num_shards), rollback), [rec]
-        pending, restored_to, records = list(failed), {}, []
+            return rollback, dict.fromkeys(range(self.store.num_shards), rollback)
+        pending, restored_to = list(failed), {}
         for _ in range(MAX_ATTEMPTS * self.store.num_shards):
             if not pending:
                 break
@@ -299,7 +299,6 @@ class RecoveryManager:
             try:
                 rec, restored_to[s] = self._recover_one(s, step)
                 self._finish_record(rec, phase)
-                records.append(rec)
                 self.note(
                     f"step {step}: shard {s} restored from step {rec['restored_from_step']}, now as of {restored_to[s]}"
                 )
@@ -311,7 +310,7 @@ class RecoveryManager:
         if pending:
             raise RecoveryError(f"shards {pending} kept failing while being recovered at step {step}")
         self._mark_in_recovery([])
-        return -1, restored_to, records
+        return -1, restored_to
 
     def _record(self, rec: dict) -> None:
         """A failure record, durable at once (a restart that follows must not lose it)."""

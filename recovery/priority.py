@@ -91,10 +91,6 @@ class SSUTracker:
     def select(self, shard: int, budget: int) -> list[tuple[int, np.ndarray]]:
         return _top(self.keys[shard], self.counts[shard], budget)
 
-    @property
-    def tracked_rows(self) -> int:
-        return sum(len(k) for k in self.keys)
-
 
 def _top(keys: np.ndarray, counts: np.ndarray, budget: int) -> list[tuple[int, np.ndarray]]:
     if len(keys) > budget:

@@ -35,7 +35,3 @@ class Strategy(StrEnum):
     @property
     def replays_log(self) -> bool:
         return self is Strategy.LOG
-
-    @property
-    def loses_updates(self) -> bool:
-        return self in (Strategy.PARTIAL, Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU)

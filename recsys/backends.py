@@ -91,9 +91,6 @@ class StoreBackend:
             self.prefetcher.invalidate(update.updated)
         return update
 
-    def discard_gradients(self) -> None:
-        self.ebc.pop_sparse_grads()
-
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""
         self.stager.clear()
@@ -160,9 +157,6 @@ class LocalBackend:
 
     def apply_local(self) -> None:
         self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def discard_gradients(self) -> None:
         self.optimizer.zero_grad()
 
     def drain(self) -> None:

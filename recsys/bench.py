@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-STRATEGIES = ("none", "full", "partial", "partial-mfu", "partial-ssu", "log")
+from recovery.strategy import Strategy
+from recsys.config import ConfigError
+
+STRATEGIES = ("none", *(s.value for s in Strategy))
 
 
 def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> list[str]:
@@ -65,6 +68,7 @@ def _config(args, out: Path, strategy: str, injections: list[str]):
             "inject": injections,
             "priority_budget": args.priority_budget,
             "keep_checkpoints": 2,
+            "max_restarts": 0,  # shard failures only: no per-step dense saves in the comparison
         }
     return RunConfig.from_dict(d, source="bench-recovery")
 
@@ -149,7 +153,7 @@ def bench_strategies(args) -> list[dict]:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad:
-        raise SystemExit(f"--strategies: unknown {bad}; choose from {', '.join(STRATEGIES)}")
+        raise ConfigError(f"--strategies {args.strategies!r}: unknown {bad}; choose from {', '.join(STRATEGIES)}")
     if "none" not in strategies:
         strategies.insert(0, "none")
     summaries = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,9 +65,3 @@ def sources(cfg: RunConfig) -> Sources:
     vlo, vhi = last_day_split(len(last), "val")
     train = ConcatSource([BinarySource(d, mod) for d in days[:-1]])
     return Sources(train, BinarySource(last, mod, vlo, vhi), None)
-
-
-def parse_data_flag(value: str) -> str:
-    if not re.fullmatch(r"synthetic|criteo-kaggle:.+|criteo-terabyte:.+", value):
-        raise ValueError(value)
-    return value

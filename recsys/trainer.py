@@ -474,10 +474,11 @@ class Trainer:
         self.dense_saver.wait()
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's
         logs = self.recovery.logs.values()
-        log_totals = self.coll.sum_floats(
-            np.array([sum(x.bytes_written for x in logs), sum(x.seconds for x in logs)], dtype=np.float64)
-        )
+        log_bytes = self.coll.sum_floats(np.array([sum(x.bytes_written for x in logs)], dtype=np.float64))[0]
+        log_us = self.coll.max_flags(np.array([int(1e6 * sum(x.seconds for x in logs))], dtype=np.int64))[0]
+        log_totals = np.array([log_bytes, log_us / 1e6])
         res: dict = {}
 
         def final(only) -> None:
