@@ -96,7 +96,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--keep-checkpoints": ("recovery", "keep_checkpoints", int, "checkpoints kept"),
     "--log-dir": ("recovery", "log_dir", str, "per-shard update logs (default OUT/logs with --recovery log)"),
     "--log-fsync": ("recovery", "log_fsync", str, "log durability: always | every:N (ms) | none"),
-    "--max-restarts": ("recovery", "max_restarts", int, "trainer group restarts after a trainer dies"),
+    "--max-restarts": (
+        "recovery",
+        "max_restarts",
+        int,
+        "trainer group restarts after a trainer dies (0: off; on by default, ~1%% per step)",
+    ),
 }
 
 
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except TrainerFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # a trainer's progress bar may end mid-line
         return 1
     except KeyboardInterrupt:
         print("interrupted: trainers and shards stopped", file=sys.stderr)

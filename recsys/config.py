@@ -193,9 +193,11 @@ class RecoveryConfig:
     log_fsync: str = "always"
     """Log durability: always (fsync each step), every:N (at most every N ms), none."""
     inject: list[str] = field(default_factory=list)
-    """Failures to inject: shard:K@step=N, trainer:R@step=N, stall:K@step=N:SECONDS, corrupt-checkpoint:latest[@step=N]."""
-    max_restarts: int = 0
-    """Restarts of the trainer group after a trainer dies (torch elastic); > 0 saves dense state every step."""
+    """Failures to inject: shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS,
+    during=PHASE), corrupt-checkpoint:latest[@step=N]; see recovery/inject.py."""
+    max_restarts: int = 3
+    """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
+    rank 0 saves the dense state after every step off the training path (about 1% of a default step)."""
 
     def __post_init__(self) -> None:
         from recovery.inject import parse_injection

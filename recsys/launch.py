@@ -119,8 +119,8 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
         if not deaths:  # not injected: record what the supervisor saw
             append_line(out / TRAINER_FAILURES, {"kind": "trainer", "rank": rank, "step": None, "time": time.time()})
         restarts += 1
-        print(
-            f"trainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",
+        print(  # on a line of its own: the dead trainer's progress bar ends mid-line
+            f"\ntrainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",
             file=sys.stderr,
         )
 
@@ -136,7 +136,8 @@ def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
     (Path(cfg.checkpoint_dir) / "dense_latest.pt").unlink(missing_ok=True)  # an earlier run's
+    supervised = cfg.train.trainers > 1 or (cfg.embeddings.embeddings == "redis" and cfg.recovery.max_restarts > 0)
     with shard_urls(cfg) as (urls, specs):
-        if cfg.train.trainers == 1:
+        if not supervised:  # one trainer that nothing would restart: run it here
             return train(cfg, urls, namespace, specs=specs)
         return launch_trainers(cfg, urls, namespace, specs)

@@ -237,7 +237,9 @@ class Trainer:
         self.coll = collective(world_size)
         self.recovery, self.checkpointer, self.injector = build_recovery(cfg, self.backend, self.specs, self.coll, rank)
         self.dense_saver = (
-            DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0) if cfg.recovery.max_restarts else NoDenseSaver()
+            DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
+            if cfg.recovery.max_restarts and isinstance(self.backend, StoreBackend)
+            else NoDenseSaver()
         )
         self.schedule = Schedule(cfg, len(self.specs), self.coll, rank)
         self.out: RunOutputs | NullOutputs = NullOutputs()
@@ -245,14 +247,15 @@ class Trainer:
         self.priority_pauses: list[float] = []
         self.last_eval: dict = {}
         self._t_step = 0.0
+        self._dense_cache: tuple[int, dict, dict] | None = None
 
     # -- run state ----------------------------------------------------------------------------
     def state_dict(self, step: int | None = None) -> dict:
         """Everything a resume needs, as of the end of ``step`` (default: the last completed step)."""
         step = self.step - 1 if step is None else step
-        msd, osd = get_state_dict(self.plain, self.opt)
+        model, optim = self._dense_refs()
         return {
-            "dense": {"model": {k: v for k, v in msd.items() if "embedding_bags" not in k}, "optim": osd},
+            "dense": {"model": model, "optim": optim},
             "run": {
                 "step": step,
                 # the reader yields the batch of step + 1 next
@@ -262,12 +265,23 @@ class Trainer:
             },
         }
 
+    def _dense_refs(self) -> tuple[dict, dict]:
+        """The dense model and optimizer state (live tensors, keyed as DCP keys them). Building the
+        mapping costs ~2 ms; the optimizer updates its tensors in place, so it is built again only
+        when the optimizer gains state or the state was loaded (``load_state_dict``)."""
+        if self._dense_cache is None or self._dense_cache[0] != len(self.opt.state):
+            msd, osd = get_state_dict(self.plain, self.opt)
+            model = {k: v for k, v in msd.items() if "embedding_bags" not in k}
+            self._dense_cache = (len(self.opt.state), model, osd)
+        return self._dense_cache[1], self._dense_cache[2]
+
     def load_state_dict(self, state: dict, *, rollback: bool = False) -> None:
         """Restart: everything. Rollback to a checkpoint: dense state and reader only (the failures
         and accounting of the run so far stand)."""
         msd, osd = get_state_dict(self.plain, self.opt)
         msd.update(state["dense"]["model"])
         set_state_dict(self.plain, self.opt, model_state_dict=msd, optim_state_dict=state["dense"]["optim"])
+        self._dense_cache = None
         run = state["run"]
         self.reader.load_state_dict(run["reader"])
         self.step = int(run["step"]) + 1
@@ -278,6 +292,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> dict | None:
         """Train ``cfg.train.steps`` steps; rank 0 writes the run outputs and returns the summary."""
+        bar = None
         try:
             self.resume()
             bar = tqdm(
@@ -309,11 +324,12 @@ class Trainer:
                     batch = nxt
                 out, summary = self.finish()
                 if not out.rolled_back:
-                    bar.close()
                     return summary
                 self.roll_back(out.to_step)
                 batch = next(self.reader)
         finally:
+            if bar is not None:
+                bar.close()  # the line after it (an error, the summary) starts on a line of its own
             if self.injector is not None:
                 self.injector.close()
             self.recovery.close()

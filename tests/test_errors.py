@@ -101,3 +101,23 @@ def test_an_error_inside_a_trainer_process_is_one_line_with_the_traceback_kept(t
     assert "trainer0" in line and "recovery" in line and "no verified checkpoint" in line
     log = (tmp_path / "run" / "errors" / "trainer0.log").read_text()
     assert "Traceback" in log and "RecoveryError" in log
+
+
+def test_a_trainer_killed_once_too_often_ends_in_one_line(tmp_path):
+    proc = cli(
+        tmp_path,
+        "--trainers",
+        "2",
+        "--steps",
+        "12",
+        "--max-restarts",
+        "1",
+        "--inject",
+        "trainer:1@step=4",
+        "--inject",
+        "trainer:0@step=8",
+    )
+    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-3000:]
+    assert lines[0] == "trainer rank 1 died (SIGKILL); restarting the trainer group (1/1)"  # progress, not an error
+    assert lines[1:] == ["error: trainer rank 0 died (SIGKILL) after 1 restart(s) of 1 (all used)"]

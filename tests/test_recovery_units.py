@@ -296,3 +296,25 @@ def test_priority_saves_are_overlaid_and_cut_the_loss(rig, tmp_path, namespace, 
     assert rec["saved_updates"] > 0
     assert rec["lost_updates"] == plain["lost_updates"] - rec["saved_updates"]
     assert rec["lost_samples"] < plain["lost_samples"]
+
+
+def test_injection_specs_at_moments_phases_and_nodes():
+    assert parse_injection("shard:1@t=12.5") == Injection("shard", 1, None, 0.0, 12.5)
+    assert parse_injection("stall:2@t=3:1.5") == Injection("stall", 2, None, 1.5, 3.0)
+    assert parse_injection("node:1@step=40") == Injection("node", 1, 40)
+    assert parse_injection("shard:0@during=checkpoint").during == "checkpoint"
+    assert str(parse_injection("node:0@t=7")) == "node:0@t=7"
+    assert parse_injection("node:1@t=1").shards(world_size=2, num_shards=5) == [1, 3]
+    with pytest.raises(InjectionSpecError, match="during=PHASE is for shard kills"):
+        parse_injection("trainer:0@during=eval")
+    with pytest.raises(InjectionSpecError, match="during=checkpoint"):
+        parse_injection("shard:0@during=lunch")
+
+
+def test_trainer_and_node_failures_without_restarts_are_refused_by_name():
+    from recsys.config import ConfigError, RecoveryConfig
+
+    for spec in ("trainer:1@step=5", "node:0@t=3"):
+        with pytest.raises(ConfigError, match=rf"inject={spec!r}: a trainer failure needs --max-restarts >= 1"):
+            RecoveryConfig(inject=[spec], max_restarts=0)
+    assert RecoveryConfig(inject=["node:0@t=3"]).max_restarts > 0  # restarts are on by default
