@@ -167,3 +167,47 @@ def test_tls_with_password(tmp_path, namespace):
         with RedisStore(plain, TABLES, SGD(), timeout_s=1.0) as st:
             with pytest.raises(ShardUnavailableError, match="shard 0 at redis://127.0.0.1"):
                 st.pull("wide", np.arange(3))
+
+
+def test_a_shard_still_loading_its_snapshot_is_unavailable_for_now_not_corrupt(namespace):
+    """A server that answers -LOADING (it is loading its RDB) is a shard to wait for or recover,
+    not bad data. A real socket on loopback answers every command with Redis' LOADING error."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    while conn.recv(65536):
+                        conn.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    store = RedisStore([f"redis://127.0.0.1:{port}"], TABLES, SGD(0.1), namespace=namespace, timeout_s=1.0)
+    try:
+        with pytest.raises(
+            ShardUnavailableError, match=rf"shard 0 at redis://127.0.0.1:{port} is unavailable: .*(LOADING|loading)"
+        ):
+            store.pull("small", np.arange(10))
+        with pytest.raises(ShardUnavailableError, match="LOADING|loading"):
+            store.applied_step(0)
+    finally:
+        store.close()
+        stop.set()
+        t.join()
+        srv.close()
