@@ -36,3 +36,22 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nLEAKED redis-server processes: {leaked}")
         for p in leaked:
             os.kill(p, 9)
+
+
+def train_cli(out, *flags: str, timeout: float = 300) -> dict:
+    """``python -m recsys train FLAGS --out OUT`` as a user runs it; asserts it ended well, no traceback
+    on the terminal; returns the run's summary.json."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return json.loads((Path(out) / "summary.json").read_text())

@@ -8,14 +8,13 @@ bit; under ``partial`` its losses must be counted and add up."""
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from recovery.inject import parse_injection
+from tests.conftest import train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--steps", "150", "--trainers", "2", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
@@ -38,16 +37,10 @@ def schedule(seed: int) -> list[str]:
 
 
 def train(out: Path, *flags: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", *BASE, "--out", str(out), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert proc.returncode == 0, f"seed {SEED}: {proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, f"seed {SEED}: {proc.stderr[-3000:]}"
-    return json.loads((out / "summary.json").read_text())
+    try:
+        return train_cli(out, *BASE, *flags, timeout=420)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED}: {e}") from None
 
 
 def chaos(out: Path, strategy: str) -> tuple[dict, list[str]]:

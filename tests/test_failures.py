@@ -1,12 +1,12 @@
 """End-to-end failures on real processes: 2 trainers (torch elastic, gloo), 3 redis-server shards."""
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -32,15 +32,7 @@ BASE = [
 
 
 def train(out: Path, *flags: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", *BASE, "--out", str(out), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "summary.json").read_text())
+    return train_cli(out, *BASE, *flags)
 
 
 @pytest.fixture(scope="module")
