@@ -306,26 +306,19 @@ class Trainer:
             self.t0 = time.perf_counter()
             batch = next(self.reader)
             while True:
-                while self.step <= self.steps:
-                    out, nxt, loss = self.train_step(batch)
+                if self.step > self.steps:
+                    out, summary = self.finish()
                     if not out.rolled_back:
-                        out = self.after_step(loss)
-                    if out.rolled_back:
-                        self.roll_back(out.to_step)
-                        batch = next(self.reader)
+                        return summary
+                else:
+                    out, nxt, loss = self.train_step(batch)
+                    out = out if out.rolled_back else self.after_step(loss)
+                    if not out.rolled_back:
+                        self.show_progress(bar)
+                        self.step += 1
+                        batch = nxt
                         continue
-                    bar.n = self.step
-                    if self.out.records and self.out.records[-1].get("step") == self.step:
-                        r = self.out.records[-1]
-                        auc = {"auc": f"{self.last_eval['auc']:.4f}"} if self.last_eval else {}
-                        bar.set_postfix(loss=f"{r.get('loss', float('nan')):.4f}", **auc, refresh=False)
-                    bar.refresh()
-                    self.step += 1
-                    batch = nxt
-                out, summary = self.finish()
-                if not out.rolled_back:
-                    return summary
-                self.roll_back(out.to_step)
+                self.roll_back(out.to_step)  # full recovery: back to a checkpoint, then on from there
                 batch = next(self.reader)
         finally:
             if bar is not None:
@@ -334,6 +327,13 @@ class Trainer:
                 self.injector.close()
             self.recovery.close()
             self.backend.close()
+
+    def show_progress(self, bar) -> None:
+        bar.n = self.step
+        if self.out.records and self.out.records[-1].get("step") == self.step:
+            auc = {"auc": f"{self.last_eval['auc']:.4f}"} if self.last_eval else {}
+            bar.set_postfix(loss=f"{self.out.records[-1].get('loss', float('nan')):.4f}", **auc, refresh=False)
+        bar.refresh()
 
     def train_step(self, batch) -> tuple[Outcome, object, torch.Tensor | None]:
         """One step: stage rows, forward/backward, commit the sparse update, dense step.
