@@ -100,7 +100,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "recovery",
         "max_restarts",
         int,
-        "trainer group restarts after a trainer dies (0: off; on by default, ~1%% per step)",
+        "trainer group restarts after a trainer dies (0: off); while on, rank 0 saves the dense state each step",
     ),
 }
 

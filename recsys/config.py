@@ -197,7 +197,7 @@ class RecoveryConfig:
     during=PHASE), corrupt-checkpoint:latest[@step=N]; see recovery/inject.py."""
     max_restarts: int = 3
     """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
-    rank 0 saves the dense state after every step off the training path (about 1% of a default step)."""
+    rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
 
     def __post_init__(self) -> None:
         from recovery.inject import parse_injection
