@@ -4,8 +4,8 @@ Specs (``--inject``, several allowed). ``WHEN`` is ``step=N`` (the start of step
 seconds after training started, fired from a timer wherever the trainers are) or, for shard kills,
 ``during=PHASE`` (checkpoint | eval | recovery | resume: inside that phase, the first time it runs):
 
-- ``shard:K@WHEN``          SIGKILL shard K
-- ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds
+- ``shard:K@WHEN``          SIGKILL shard K (a shard reached only by URL: ``SHUTDOWN NOSAVE``)
+- ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds (by URL: ``CLIENT PAUSE``)
 - ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
 - ``corrupt-checkpoint:latest[@step=N]``  flip bytes in a shard file of the newest checkpoint at step N
@@ -131,14 +131,16 @@ class Injector:
         self,
         injections: list[Injection],
         rank: int,
-        shard_pidfiles: list[Path],
+        shard_pidfiles: list[Path | None],
         run_dir: Path,
         world_size: int = 1,
+        urls: list[str] | None = None,
     ) -> None:
         self.injections = list(injections)
         self.rank = rank
         self.world_size = world_size
-        self.pidfiles = shard_pidfiles
+        self.pidfiles = shard_pidfiles  # None for a shard reached only by URL
+        self.urls = list(urls or [])
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / FIRED
         self.step = 0  # the step the trainer is in (timers record it)
@@ -258,21 +260,43 @@ class Injector:
                 marker = {"kind": inj.kind, "rank": self.rank, "step": self.step, "time": rec["time"], "shards": shards}
                 append_line(self.run_dir / TRAINER_FAILURES, marker)
                 for s in shards:
-                    _signal(self.pidfiles[s], signal.SIGKILL)
+                    self._kill_shard(s)
                 if shards:
                     time.sleep(0.05)  # a moment later, the trainer goes down with its node
                 os.kill(os.getpid(), signal.SIGKILL)
-            pid = read_pid(self.pidfiles[inj.target])
-            if pid is None:
-                return
             self._record(inj, shards)
             if inj.kind == "shard":
-                _signal(self.pidfiles[inj.target], signal.SIGKILL)
+                self._kill_shard(inj.target)
             else:
-                _signal(self.pidfiles[inj.target], signal.SIGSTOP)
-                timer = threading.Timer(inj.seconds, _resume, args=(pid,))
-                timer.daemon = True  # a run that recovered does not wait for the stall to end
-                timer.start()
+                self._stall_shard(inj.target, inj.seconds)
+
+    # a local shard gets signals; one reached only by URL gets the same through the protocol
+    def _kill_shard(self, shard: int) -> None:
+        if self.pidfiles[shard] is not None:
+            _signal(self.pidfiles[shard], signal.SIGKILL)
+        else:
+            self._command(shard, "SHUTDOWN", "NOSAVE")
+
+    def _stall_shard(self, shard: int, seconds: float) -> None:
+        pid = read_pid(self.pidfiles[shard]) if self.pidfiles[shard] is not None else None
+        if pid is None:  # every client waits, as with SIGSTOP; the server resumes by itself
+            self._command(shard, "CLIENT", "PAUSE", str(max(1, int(seconds * 1000))), "ALL")
+            return
+        _signal(self.pidfiles[shard], signal.SIGSTOP)
+        timer = threading.Timer(seconds, _resume, args=(pid,))
+        timer.daemon = True  # a run that recovered does not wait for the stall to end
+        timer.start()
+
+    def _command(self, shard: int, *args: str) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0)
+        try:
+            client.execute_command(*args)
+        except redis.ConnectionError:
+            pass  # SHUTDOWN closes the connection it came on; a shard already gone is gone
+        finally:
+            client.close()
 
 
 def _signal(pidfile: Path, sig: int) -> None:

@@ -244,8 +244,8 @@ class RecoveryManager:
         if not self.shards:
             s = failed[0]
             raise RecoveryError(
-                f"shard {s} at {self.store.endpoint(s)} failed; restarting and restoring a shard needs shards "
-                "this project started (--redis local): bring that Redis back and resume the run"
+                f"shard {s} at {self.store.endpoint(s)} failed; this run cannot restore it: restoring a shard "
+                "needs shards this project started (--redis local)"
             )
         # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
         verdict = np.zeros(2 + 2 * n, dtype=np.int64)

@@ -265,18 +265,14 @@ class RunConfig:
         for inj in rc.injections:
             if inj.kind in ("shard", "stall", "node"):
                 _check(
-                    self.embeddings.embeddings == "redis" and self.embeddings.redis == "local",
+                    self.embeddings.embeddings == "redis",
                     "inject",
                     str(inj),
-                    "shard failures act on local shards (--embeddings redis --redis local)",
+                    "shard failures act on the Redis tier (--embeddings redis)",
                 )
             if inj.kind in ("shard", "stall"):
-                _check(
-                    inj.target < self.embeddings.shards,
-                    "inject",
-                    str(inj),
-                    f"shard {inj.target} does not exist (shards={self.embeddings.shards})",
-                )
+                n = len(self.embeddings.urls) or self.embeddings.shards
+                _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
             if inj.kind in ("trainer", "node"):
                 _check(
                     inj.target < self.train.trainers,

@@ -168,7 +168,8 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     rc, world, store = cfg.recovery, coll.world_size, backend.store
     strategy = Strategy(rc.recovery)
     run_dir = Path(cfg.train.out)
-    injector = Injector(rc.injections, rank, [s.pidfile for s in specs], run_dir, world)
+    pidfiles = [s.pidfile for s in specs] if specs else [None] * store.num_shards
+    injector = Injector(rc.injections, rank, pidfiles, run_dir, world, urls=store.urls)
     logs = {}
     if cfg.log_dir:
         logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(len(specs)) if s % world == rank}

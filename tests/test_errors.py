@@ -48,7 +48,7 @@ def test_unreachable_redis_url_is_named_before_any_trainer_starts(tmp_path):
     port = free_port()
     line = one_error_line(cli(tmp_path, "--redis", f"redis://127.0.0.1:{port}"))
     assert f"shard 0 at redis://127.0.0.1:{port}" in line and "connection refused" in line
-    assert "restarting and restoring" not in line  # not mistaken for a recovery failure
+    assert "cannot restore" not in line  # not mistaken for a recovery failure
 
 
 def test_wrong_password_is_named_as_such(tmp_path):
@@ -121,3 +121,17 @@ def test_a_trainer_killed_once_too_often_ends_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr[-3000:]
     assert lines[0] == "trainer rank 1 died (SIGKILL); restarting the trainer group (1/1)"  # progress, not an error
     assert lines[1:] == ["error: trainer rank 0 died (SIGKILL) after 1 restart(s) of 1 (all used)"]
+
+
+@pytest.mark.parametrize("spec", ["shard:1@step=3", "stall:1@step=3:3"])
+def test_injection_reaches_a_shard_given_only_by_url_and_its_failure_is_named(tmp_path, spec):
+    """No process id at hand: the kill goes as SHUTDOWN NOSAVE, the stall as CLIENT PAUSE. Restoring
+    such a shard is not possible yet: the run ends in one line naming it."""
+    with LocalShards(2) as sh:
+        track(sh)
+        urls = ",".join(sh.urls)
+        proc = cli(tmp_path, "--redis", urls, "--timeout", "1", "--max-restarts", "0", "--inject", spec)
+        line = one_error_line(proc)
+        assert f"shard 1 at redis://127.0.0.1:{sh.ports[1]}" in line and "this run cannot restore it" in line
+        assert sh.is_alive(0)
+        assert sh.is_alive(1) == spec.startswith("stall")  # SHUTDOWN NOSAVE ended the server; a pause did not
