@@ -31,7 +31,7 @@ from recovery.files import TRAINER_FAILURES, append_line, read_lines
 from recsys.config import RunConfig
 from recsys.datasets import prepare
 from recsys.errors import read_errors
-from recsys.trainer import train, worker_main
+from recsys.trainer import Trainer, worker_main
 
 # errors a trainer sees when a peer died under it: not a reason to stop the run
 _PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
@@ -139,5 +139,5 @@ def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
     supervised = cfg.train.trainers > 1 or (cfg.embeddings.embeddings == "redis" and cfg.recovery.max_restarts > 0)
     with shard_urls(cfg) as (urls, specs):
         if not supervised:  # one trainer that nothing would restart: run it here
-            return train(cfg, urls, namespace, specs=specs)
+            return Trainer(cfg, urls, namespace, specs=specs).train()
         return launch_trainers(cfg, urls, namespace, specs)

@@ -564,18 +564,6 @@ class Trainer:
         }
 
 
-def train(
-    cfg: RunConfig,
-    urls: list[str],
-    namespace: str,
-    world_size: int = 1,
-    rank: int = 0,
-    specs: list[ShardSpec] | None = None,
-) -> dict | None:
-    """Train in this process; rank 0 returns the summary."""
-    return Trainer(cfg, urls, namespace, world_size, rank, specs).train()
-
-
 def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None) -> dict | None:
     """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
 
@@ -589,7 +577,7 @@ def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dic
     try:
         if world_size > 1:
             dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        return train(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
+        return Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []]).train()
     except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
         line = report_error(Path(cfg.train.out), f"trainer{rank}", e)
         if not os.environ.get("RECSYS_SUPERVISED"):  # torchrun: nobody else prints it

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Training throughput of the Redis tier beside the local torchrec baseline, in one invocation.
+"""Training throughput of the Redis tier beside torchrec's engines, in one invocation.
 
-Same model, data and steps for every row: the local baseline (torchrec's in-process
-``EmbeddingBagCollection``, one process) and the Redis tier with 1, 2 and 4 local shards, with
-and without prefetch, each with ``--trainers`` trainer processes (default 1, the baseline's).
-samples/s counts training steps only (no setup, no evaluation); ratio = samples/s / baseline's.
+Same model, data and steps for every row: torchrec's ``FusedEmbeddingBagCollection`` (fbgemm TBE on
+the host, row-wise Adagrad fused into backward; a plain loop over pre-built batches: the strongest
+peer, and the reference of the ratios), the project's local baseline (torchrec's
+``EmbeddingBagCollection``, one process), and the Redis tier with 1, 2 and 4 local shards, with and
+without prefetch, each with ``--trainers`` trainer processes (default 1) and the run's defaults
+(trainer restarts on). samples/s counts training steps only (no setup, no evaluation).
 
     python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1]
 """
@@ -36,8 +38,47 @@ def config(args, out: Path, embeddings: str, shards: int, prefetch: bool, traine
             eval_every=0,
             log_every=args.steps,
             out=str(out),
+            progress=False,
         ),
     )
+
+
+def fused_samples_per_s(args) -> float:
+    """torchrec's fused engine under the same DLRM, data and dense optimizer; 10 warm-up steps."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    import torchrec
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+    from data.batches import BatchReader
+    from recsys.datasets import sources
+    from recsys.model import build_dlrm, dense_optimizer, dense_params, table_configs
+
+    cfg = config(args, Path("unused"), "local", 1, False, 1)
+    kind = torchrec.optim.RowWiseAdagrad if cfg.optim.optimizer == "adagrad" else torchrec.optim.SGD
+    kwargs = {"lr": cfg.optim.lr, "eps": cfg.optim.eps} if cfg.optim.optimizer == "adagrad" else {"lr": cfg.optim.lr}
+    ebc = FusedEmbeddingBagCollection(
+        tables=table_configs(cfg), optimizer_type=kind, optimizer_kwargs=kwargs, device=torch.device("cpu")
+    )
+    model = build_dlrm(cfg, ebc)
+    opt = dense_optimizer(cfg, dense_params(model))
+    reader = BatchReader(sources(cfg).train, args.batch_size, world_size=1, rank=0, epochs=1 << 30)
+    batches = [next(reader) for _ in range(args.steps + 10)]
+
+    def step(b) -> None:
+        loss = F.binary_cross_entropy_with_logits(model(b.dense_features, b.sparse_features).squeeze(1), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for b in batches[:10]:
+        step(b)
+    t0 = time.perf_counter()
+    for b in batches[10:]:
+        step(b)
+    return args.steps * args.batch_size / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -55,6 +96,7 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        rows.append(("torchrec fused EBC", 1, "-", fused_samples_per_s(args)))
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
         rows.append(("local torchrec EBC", 1, "-", base["throughput_samples_per_s"]))
         for s in shard_counts:
@@ -74,7 +116,7 @@ def main() -> None:
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
         f"optimizer={args.optimizer}"
     )
-    print(f"{'embeddings':<24} {'shards':>6} {'prefetch':>8} {'samples/s':>11} {'x local':>8}")
+    print(f"{'embeddings':<24} {'shards':>6} {'prefetch':>8} {'samples/s':>11} {'x fused':>8}")
     for name, s, p, tput in rows:
         print(f"{name:<24} {s:>6} {p:>8} {tput:>11,.0f} {tput / ref:>7.2f}x")
 
