@@ -277,6 +277,49 @@ class RedisStore(StoreBase):
 
         return self._call(shard, run)
 
+    def clear_shard(self, shard: int) -> int:
+        """Delete every key of this namespace on one shard; returns how many."""
+        c = self._clients[shard]
+
+        def run() -> int:
+            n = 0
+            for batch in _chunks(c.scan_iter(match=f"{self.namespace}:*", count=10_000), 10_000):
+                n += c.unlink(*batch)
+            return n
+
+        return self._call(shard, run)
+
+    def snapshot(self, shard: int, dest, timeout_s: float = 600.0):
+        """A ``NetworkSnapshot`` of one shard into ``dest``; ``start()`` it at the snapshot point."""
+        from embeddings.rdb import NetworkSnapshot
+
+        def info() -> dict:
+            return self.call(shard, lambda c: c.info("persistence"))
+
+        return NetworkSnapshot(self._pools[shard], info, dest, shard, self.endpoints[shard], timeout_s)
+
+    def load_snapshot(self, shard: int, path, chunk_rows: int = 20_000) -> int:
+        """Write this namespace's keys of the RDB file at ``path`` onto one shard (over the protocol,
+        pipelined transactions of ``chunk_rows`` rows); returns the bytes written."""
+        from embeddings.rdb import group_rows, read_strings
+
+        tables, other = group_rows(read_strings(path, f"{self.namespace}:".encode()), self.namespace)
+        written = 0
+        for t, (ids, values) in tables.items():
+            rows = np.frombuffer(values, "<f4").reshape(len(ids), self.width(t))
+            for lo in range(0, len(ids), chunk_rows):
+                self.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
+            written += ids.nbytes + rows.nbytes
+        if other:
+
+            def run():
+                with self._locks[shard]:
+                    return self._wires[shard].set_rows([], [[b"SET", k, v] for k, v in other])
+
+            self._call(shard, run)
+            written += sum(len(k) + len(v) for k, v in other)
+        return written
+
     # -- maintenance ---------------------------------------------------------------------
     def clear(self) -> int:
         """Delete every key of this namespace on every shard; returns how many."""

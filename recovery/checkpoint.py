@@ -5,10 +5,12 @@ Layout: ``{dir}/step_{step:010d}/`` holding ``shard{S}.rdb`` (each shard's Redis
 readers' positions, accounting) and, written last and atomically, ``manifest.json`` with a
 SHA-256 per file. A folder without a valid manifest is not a checkpoint.
 
-Taking one at a step boundary: every shard forks a snapshot (``BGSAVE``): the training pause is
-the fork, not the copy. The dense state goes through DCP. A background thread then waits for the
-snapshots, copies them into the folder while hashing them, fsyncs, writes the manifest, and
-drops checkpoints beyond ``keep``. Snapshots need local shards (their folder is readable here).
+Taking one at a step boundary: every shard forks a snapshot: the training pause is the fork, not
+the copy. A local shard (its folder is readable here) forks with ``BGSAVE`` and its file is copied;
+a shard known only by its URL forks for a replication full sync and the snapshot streams over
+the network (``embeddings.rdb.NetworkSnapshot``). The dense state goes through DCP. A background
+thread then waits for the snapshots, writes them into the folder while hashing them, fsyncs,
+writes the manifest, and drops checkpoints beyond ``keep``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class SaveStats:
 class Checkpointer:
     """Takes and finds checkpoints. ``save`` is called by every trainer at the same step.
 
-    ``shards``: specs of the local shards (rank 0 snapshots them); ``store``: the run's
+    ``shards``: specs of the local shards (rank 0 copies their snapshot files; every other shard
+    is snapshotted over the network); ``store``: the run's
     ``RedisStore`` (its ``call`` maps a dead shard to ``ShardUnavailableError``, so the fork runs
     under the recovery protocol); ``barrier`` synchronises trainers (no-op with one).
 
@@ -143,6 +146,8 @@ class Checkpointer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.shards = shards
+        self.local = {spec.index: spec for spec in shards}
+        self.network_only = False  # snapshot local shards over the network too (benchmarks)
         self.store = store
         self.rank = rank
         self.barrier = barrier
@@ -175,10 +180,21 @@ class Checkpointer:
         if path.exists():
             shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
         path.mkdir(parents=True)
-        saves_before = {}
-        for spec in self.shards:
-            saves_before[spec.index] = self.store.call(spec.index, lambda c: self._fork(c))
-            self.on_fork(spec.index)
+        saves_before: dict = {}
+        try:
+            for s in range(self.store.num_shards):
+                if s in self.local and not self.network_only:
+                    saves_before[s] = self.store.call(s, lambda c: self._fork(c))
+                else:
+                    snap = self.store.snapshot(s, path / f"shard{s}.rdb", self.snapshot_timeout_s)
+                    snap.start()  # returns once the server forked
+                    saves_before[s] = snap
+                self.on_fork(s)
+        except BaseException:
+            for v in saves_before.values():
+                if not isinstance(v, int):
+                    v.close()
+            raise
         self._begun = (step, t0, saves_before)
 
     def _fork(self, client) -> int:
@@ -217,11 +233,15 @@ class Checkpointer:
     def _finish(self, step, path, saves_before, meta, stats, t0) -> None:
         try:
             files = {}
-            for spec in self.shards:  # every fork has written its file: from here on no shard is needed
-                self._wait_snapshot(spec, saves_before[spec.index])
-            for spec in self.shards:
-                digest, n = copy_hashed(spec.rdb_path, path / f"shard{spec.index}.rdb")
-                files[f"shard{spec.index}.rdb"] = digest
+            for s, before in saves_before.items():  # every fork has written its file: from here on no shard is needed
+                if isinstance(before, int):
+                    self._wait_snapshot(self.local[s], before)
+            for s, before in saves_before.items():
+                if isinstance(before, int):
+                    digest, n = copy_hashed(self.local[s].rdb_path, path / f"shard{s}.rdb")
+                else:
+                    digest, n = before.finish()
+                files[f"shard{s}.rdb"] = digest
                 stats.bytes += n
             for p in sorted((path / "dense").rglob("*")):
                 if p.is_file():
@@ -240,6 +260,9 @@ class Checkpointer:
             # a shard failed before its snapshot was safe: this checkpoint is abandoned (it never
             # gets a manifest); the previous one stays the newest
             stats.abandoned = f"{type(e).__name__}: {e}"
+            for v in saves_before.values():
+                if not isinstance(v, int):
+                    v.close()
             shutil.rmtree(path, ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
             self._error = e

@@ -17,3 +17,7 @@ class NoCheckpointError(RecoveryError):
 
 class InjectionSpecError(RecoveryError, ValueError):
     """A ``--inject`` value that does not parse."""
+
+
+class ShardLostError(RecoveryError):
+    """A remote shard that its supervisor did not bring back in time: the run stops, resumable."""

@@ -39,7 +39,7 @@ from embeddings import RedisStore, ShardDataError, ShardUnavailableError
 from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
-from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
+from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError, ShardLostError
 from recovery.files import FAILURES, TRAINER_FAILURES, append_line, read_lines, write_atomic
 from recovery.inject import Injector, read_pid
 from recovery.log import ShardLog
@@ -105,6 +105,7 @@ class RecoveryManager:
     priority: object | None = None  # PrioritySaver (rank 0, partial-mfu / partial-ssu)
     run_dir: Path | None = None  # where restart markers live
     log_dir: Path | None = None  # every shard's logs (rank 0 replays and trims them)
+    restart_timeout_s: float = 60.0  # how long a remote shard's supervisor has to bring it back
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +118,7 @@ class RecoveryManager:
         self._detected: dict[int, float] = {}
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
+        self._local = {spec.index: spec for spec in self.shards}
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -241,12 +243,6 @@ class RecoveryManager:
 
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
         n = self.store.num_shards
-        if not self.shards:
-            s = failed[0]
-            raise RecoveryError(
-                f"shard {s} at {self.store.endpoint(s)} failed; this run cannot restore it: restoring a shard "
-                "needs shards this project started (--redis local)"
-            )
         # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
         verdict = np.zeros(2 + 2 * n, dtype=np.int64)
         error: Exception | None = None
@@ -352,8 +348,18 @@ class RecoveryManager:
         cands = self.checkpointer.candidates()
         return cands[0].shard_file(shard) if cands else None
 
-    def _restore_shard(self, spec: ShardSpec, ckpt: Checkpoint | None) -> int:
-        """Kill whatever runs for the shard and start a replacement holding the checkpoint's rows."""
+    def _restore_shard(self, shard: int, ckpt: Checkpoint | None) -> int:
+        """The shard back as of ``ckpt`` (empty without one); -> bytes restored. A local shard: kill
+        whatever runs for it, start a replacement that loads the checkpoint's file. A remote one:
+        wait for its supervisor to bring it back, then load the rows through the protocol."""
+        spec = self._local.get(shard)
+        if spec is None:
+            self._await_server(shard)
+            self.store.clear_shard(shard)  # a stalled server comes back with its rows: they go
+            restored = self.store.load_snapshot(shard, ckpt.shard_file(shard)) if ckpt is not None else 0
+            if self.injector is not None:
+                self.injector.during("recovery", exclude=shard)
+            return restored
         self._kill(spec)
         spec.rdb_path.unlink(missing_ok=True)
         restored = 0
@@ -366,6 +372,23 @@ class RecoveryManager:
         if self.injector is not None:
             self.injector.during("recovery", exclude=spec.index)
         return restored
+
+    def _await_server(self, shard: int) -> None:
+        """Until the shard's server answers again (its supervisor restarts it), within the timeout."""
+        deadline = time.monotonic() + self.restart_timeout_s
+        while True:
+            self.store.reconnect(shard)
+            try:
+                self.store.call(shard, lambda c: c.ping())
+                return
+            except ShardUnavailableError as e:
+                if time.monotonic() > deadline:
+                    where = f"; resume the run with --resume {self.run_dir}" if self.run_dir is not None else ""
+                    raise ShardLostError(
+                        f"shard {shard} at {self.store.endpoint(shard)} did not come back within "
+                        f"{self.restart_timeout_s:g}s (--shard-restart-timeout): {e.reason}{where} once it is up"
+                    ) from None
+            time.sleep(0.1)
 
     def _base_record(self, kind_target: tuple[str, int], step: int) -> dict:
         kind, target = kind_target
@@ -385,12 +408,11 @@ class RecoveryManager:
 
     def _recover_one(self, shard: int, step: int) -> tuple[dict, int]:
         """-> (failure record, the step the shard's rows are now as of)."""
-        spec = self.shards[shard]
         rec = self._base_record((self._kind(shard), shard), step)
         ckpt = self._checkpoint_for([shard], rec)
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
-        rec["restored_bytes"] = self._restore_shard(spec, ckpt)
+        rec["restored_bytes"] = self._restore_shard(shard, ckpt)
         as_of = base_step
         if self.strategy.replays_log:
             replayed, as_of = self._replay(shard, base_step)
@@ -446,7 +468,7 @@ class RecoveryManager:
             )
         ckpt.verify()  # dense files too
         rec["restored_from_step"] = ckpt.step
-        rec["restored_bytes"] = sum(self._restore_shard(spec, ckpt) for spec in self.shards)
+        rec["restored_bytes"] = sum(self._restore_shard(s, ckpt) for s in range(self.store.num_shards))
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         rec["recomputed_steps"] = step - 1 - ckpt.step
         return ckpt.step, rec

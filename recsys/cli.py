@@ -96,6 +96,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--keep-checkpoints": ("recovery", "keep_checkpoints", int, "checkpoints kept"),
     "--log-dir": ("recovery", "log_dir", str, "per-shard update logs (default OUT/logs with --recovery log)"),
     "--log-fsync": ("recovery", "log_fsync", str, "log durability: always | every:N (ms) | none"),
+    "--shard-restart-timeout": (
+        "recovery",
+        "shard_restart_timeout",
+        float,
+        "shards given by URL: seconds a failed shard's server has to come back before the run stops (resumable)",
+    ),
     "--max-restarts": (
         "recovery",
         "max_restarts",
@@ -123,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         "kills, during=checkpoint|eval|recovery|resume",
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
+    tr.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="finish a run that stopped (a shard that did not come back, Ctrl-C) from its dense state, "
+        "checkpoints and logs; its config.toml is the base, other flags override it",
+    )
     from recsys.bench import __doc__ as bench_doc
     from recsys.bench import add_arguments
 
@@ -137,7 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    if args.resume:
+        from recsys.launch import resume_config
+
+        cfg = resume_config(args.resume)
+        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise ConfigError(f"--out {args.out!r}: a resumed run writes to its own folder ({args.resume})")
+    else:
+        cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
     sections = cfg.to_dict()
     for flag, (section, field, typ, _) in FLAGS.items():
         raw = getattr(args, flag[2:].replace("-", "_"))
@@ -176,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_main(args)
         cfg = resolve(args)
         out = cfg.train.out
-        summary = run(cfg, under_launcher="TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ)
+        under = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+        summary = run(cfg, under_launcher=under, resume=bool(args.resume))
     except KNOWN_ERRORS as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -199,6 +199,10 @@ class RecoveryConfig:
     """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
     rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
 
+    shard_restart_timeout: float = 60.0
+    """Shards given by URL: seconds a failed shard's server has to come back (its supervisor restarts
+    it) before the run stops with an error; the run can then be finished with --resume OUT."""
+
     def __post_init__(self) -> None:
         from recovery.inject import parse_injection
         from recovery.log import parse_fsync_policy
@@ -232,6 +236,7 @@ class RecoveryConfig:
             _check(bool(self.checkpoint_every), "recovery", self.recovery, "priority saves need --checkpoint-every")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        _check(self.shard_restart_timeout > 0, "shard_restart_timeout", self.shard_restart_timeout, "must be > 0")
         try:
             parse_fsync_policy(self.log_fsync)
         except ValueError as e:
@@ -290,13 +295,6 @@ class RunConfig:
             rc.checkpoint_every,
             "checkpoints cover the Redis tier; the local baseline takes none",
         )
-        if rc.checkpoint_every and self.embeddings.embeddings == "redis":
-            _check(
-                self.embeddings.redis == "local",
-                "checkpoint_every",
-                rc.checkpoint_every,
-                "shard snapshots need local shards (--redis local)",
-            )
         if self.embeddings.embeddings == "local":
             _check(
                 self.train.trainers == 1,

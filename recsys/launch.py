@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -27,8 +28,8 @@ from pathlib import Path
 from embeddings import LocalShards
 from embeddings.endpoints import check_endpoints
 from embeddings.launcher import free_port
-from recovery.files import TRAINER_FAILURES, append_line, read_lines
-from recsys.config import RunConfig
+from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
+from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
 from recsys.errors import read_errors
 from recsys.trainer import Trainer, worker_main
@@ -36,6 +37,9 @@ from recsys.trainer import Trainer, worker_main
 # errors a trainer sees when a peer died under it: not a reason to stop the run
 _PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _PEER_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken pipe", "timed out")
+
+
+RUN_FILE = "run.json"  # the run's namespace: what --resume needs besides config.toml
 
 
 class TrainerFailed(RuntimeError):
@@ -125,8 +129,27 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
         )
 
 
-def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
-    """Run one training job; returns rank 0's summary (None on other ranks under torchrun)."""
+def resume_config(run_dir: str | Path) -> RunConfig:
+    """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from."""
+    run_dir = Path(run_dir)
+    for name in ("config.toml", RUN_FILE):
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"--resume {run_dir}: no {name} there (not the folder of a run that started)")
+    cfg = RunConfig.from_toml(run_dir / "config.toml")
+    try:
+        namespace = json.loads((run_dir / RUN_FILE).read_text())["namespace"]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--resume {run_dir}: {run_dir / RUN_FILE} is damaged") from None
+    d = cfg.to_dict()
+    d["embeddings"]["namespace"] = namespace
+    d["train"]["out"] = str(run_dir)
+    return RunConfig.from_dict(d, source=str(run_dir / "config.toml"))
+
+
+def run(cfg: RunConfig, under_launcher: bool = False, resume: bool = False) -> dict | None:
+    """Run one training job; returns rank 0's summary (None on other ranks under torchrun).
+    ``resume``: finish the run in ``cfg.train.out`` (stopped by a fault) from its per-step dense
+    state, checkpoints and logs (``resume_config`` gives its config)."""
     if under_launcher:  # torchrun started us: the world is set, the shards already run
         # every rank must agree on the namespace: torchrun's run id is the same on all nodes
         namespace = cfg.embeddings.namespace or "run-" + os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
@@ -135,7 +158,15 @@ def run(cfg: RunConfig, under_launcher: bool = False) -> dict | None:
     prepare(cfg)
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
-    (Path(cfg.checkpoint_dir) / "dense_latest.pt").unlink(missing_ok=True)  # an earlier run's
+    dense = Path(cfg.checkpoint_dir) / "dense_latest.pt"
+    if resume:
+        if not dense.exists():
+            raise ConfigError(
+                f"--resume {out}: no per-step dense state at {dense} (the run had --max-restarts 0 or never started)"
+            )
+    else:
+        dense.unlink(missing_ok=True)  # an earlier run's
+        write_atomic(out / RUN_FILE, json.dumps({"namespace": namespace}))
     supervised = cfg.train.trainers > 1 or (cfg.embeddings.embeddings == "redis" and cfg.recovery.max_restarts > 0)
     with shard_urls(cfg) as (urls, specs):
         if not supervised:  # one trainer that nothing would restart: run it here

@@ -172,7 +172,7 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     injector = Injector(rc.injections, rank, pidfiles, run_dir, world, urls=store.urls)
     logs = {}
     if cfg.log_dir:
-        logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(len(specs)) if s % world == rank}
+        logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(store.num_shards) if s % world == rank}
     ckpt = None
     if rc.checkpoint_every:
         ckpt = Checkpointer(
@@ -202,6 +202,7 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         drain=backend.drain,
         run_dir=run_dir,
         log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
+        restart_timeout_s=rc.shard_restart_timeout,
     )
     if ckpt is not None:
         ckpt.on_saved = manager.on_checkpoint_saved
@@ -242,7 +243,7 @@ class Trainer:
             if cfg.recovery.max_restarts and isinstance(self.backend, StoreBackend)
             else NoDenseSaver()
         )
-        self.schedule = Schedule(cfg, len(self.specs), self.coll, rank)
+        self.schedule = Schedule(cfg, self.num_shards, self.coll, rank)
         self.out: RunOutputs | NullOutputs = NullOutputs()
         self.step = 1  # the step about to run
         self.priority_pauses: list[float] = []

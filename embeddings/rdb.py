@@ -1,0 +1,341 @@
+"""Snapshots of a shard reachable only by URL: a fork-time RDB fetched over the replication
+protocol, and a reader that loads one back through the protocol.
+
+``NetworkSnapshot`` speaks to the server as a replica would (``REPLCONF rdb-only 1``, ``SYNC``).
+Without the ``eof`` capability the server answers with a disk-based full sync: it forks at once
+(no ``repl-diskless-sync-delay``), writes the snapshot, then streams it as ``$<len>\\r\\n<bytes>``.
+``start`` returns as soon as the server has forked: that is the snapshot point, so training
+pauses for the fork alone, as with a local ``BGSAVE``. ``finish`` streams the file to disk
+(SHA-256 on the way, fsync). No access to the server's filesystem is needed.
+
+``read_strings`` parses an RDB file (version 9-10, Redis 6-7) and yields its string keys with a
+given prefix; other value types are skipped, LZF-compressed strings are decompressed.
+``load_snapshot`` writes one shard's keys back in pipelined transactions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from embeddings.errors import ShardDataError, ShardUnavailableError
+
+
+class NetworkSnapshot:
+    """One shard's snapshot over the replication protocol: ``start`` (returns once forked), ``finish``."""
+
+    def __init__(
+        self,
+        pool: redis.ConnectionPool,
+        info: Callable[[], dict],
+        dest: Path,
+        shard: int,
+        endpoint: str,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.pool, self.info, self.dest = pool, info, Path(dest)
+        self.shard, self.endpoint, self.timeout_s = shard, endpoint, timeout_s
+        self._conn = None
+        self._header = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.result: tuple[str, int] | None = None  # (sha256, bytes)
+
+    def _unavailable(self, why: str) -> ShardUnavailableError:
+        return ShardUnavailableError(self.shard, self.endpoint, f"snapshot over the network: {why}")
+
+    def start(self) -> None:
+        """Ask for a full sync; return once the server forked its snapshot."""
+        deadline = time.monotonic() + self.timeout_s
+        while int(self.info()["rdb_bgsave_in_progress"]):  # another save runs: SYNC would wait for the next
+            if time.monotonic() > deadline:
+                raise self._unavailable(f"a background save still runs after {self.timeout_s}s")
+            time.sleep(0.005)
+        conn = self.pool.make_connection()
+        try:
+            conn.connect()
+            conn.send_command("REPLCONF", "rdb-only", "1")  # Redis 7: close after the snapshot
+            try:
+                conn.read_response()
+            except redis.ResponseError:
+                pass  # older servers: the stream that follows the snapshot is cut off by close()
+            conn._sock.sendall(b"*1\r\n$4\r\nSYNC\r\n")  # type: ignore[attr-defined]
+        except (redis.RedisError, OSError) as e:
+            conn.disconnect()
+            raise self._unavailable(str(e) or type(e).__name__) from None
+        self._conn = conn
+        self._thread = threading.Thread(target=self._stream, name=f"snapshot-{self.shard}", daemon=True)
+        self._thread.start()
+        while not self._header.is_set():  # the fork: the server reports a save, or the stream already began
+            if self._error is not None:
+                self.close()
+                raise self._unavailable(str(self._error))
+            try:
+                if int(self.info()["rdb_bgsave_in_progress"]):
+                    return
+            except ShardUnavailableError:
+                self.close()
+                raise
+            if time.monotonic() > deadline:
+                self.close()
+                raise self._unavailable(f"no fork within {self.timeout_s}s")
+            time.sleep(0.001)
+
+    def _stream(self) -> None:
+        sock = self._conn._sock  # type: ignore[union-attr]
+        sock.settimeout(self.timeout_s)
+        buf = bytearray()
+        try:
+            while True:  # keep-alive newlines, then $<len>\r\n
+                while b"\r\n" not in buf:
+                    chunk = sock.recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionError("connection closed before the snapshot")
+                    buf += chunk
+                    while buf[:1] == b"\n":
+                        del buf[:1]
+                line, _, rest = bytes(buf).partition(b"\r\n")
+                buf = bytearray(rest)
+                if line.startswith(b"-"):
+                    raise ConnectionError(line[1:].decode(errors="replace"))
+                if line.startswith(b"$"):
+                    break
+            if line.startswith(b"$EOF:"):
+                raise ConnectionError("the server sent a diskless stream, which was not asked for")
+            size = int(line[1:])
+            self._header.set()
+            h = hashlib.sha256()
+            tmp = self.dest.with_name(self.dest.name + ".part")
+            with open(tmp, "wb") as f:
+                got = 0
+                while got < size:
+                    block = bytes(buf[: size - got]) if buf else sock.recv(min(1 << 20, size - got))
+                    buf.clear()
+                    if not block:
+                        raise ConnectionError(f"connection closed after {got} of {size} snapshot bytes")
+                    h.update(block)
+                    f.write(block)
+                    got += len(block)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dest)
+            self.result = (h.hexdigest(), size)
+        except BaseException as e:  # noqa: BLE001 - surfaced by start()/finish()
+            self._error = e
+        finally:
+            self._header.set()
+
+    def finish(self) -> tuple[str, int]:
+        """Wait for the whole snapshot on disk; -> (sha256, bytes)."""
+        if self._thread is not None:
+            self._thread.join()
+        self.close()
+        if self._error is not None or self.result is None:
+            raise self._unavailable(str(self._error or "no snapshot"))
+        return self.result
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+
+
+# -- reading an RDB file ------------------------------------------------------------------------
+_EOF, _SELECTDB, _EXPIRE_S, _EXPIRE_MS, _RESIZEDB, _AUX, _FREQ, _IDLE, _FUNCTION2 = (
+    0xFF,
+    0xFE,
+    0xFD,
+    0xFC,
+    0xFB,
+    0xFA,
+    0xF9,
+    0xF8,
+    0xF5,
+)
+
+
+class _Reader:
+    def __init__(self, buf, source: str) -> None:
+        self.buf, self.pos, self.source = buf, 0, source
+
+    def fail(self, why: str):
+        raise ShardDataError(f"snapshot {self.source}: {why} at byte {self.pos}")
+
+    def byte(self) -> int:
+        if self.pos >= len(self.buf):
+            self.fail("truncated")
+        b = self.buf[self.pos]
+        self.pos += 1
+        return b
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            self.fail("truncated")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def length(self) -> tuple[int, bool]:
+        """-> (length or special-encoding id, is_special)."""
+        b = self.byte()
+        kind = b >> 6
+        if kind == 0:
+            return b & 0x3F, False
+        if kind == 1:
+            return ((b & 0x3F) << 8) | self.byte(), False
+        if kind == 3:
+            return b & 0x3F, True
+        if b == 0x80:
+            return struct.unpack(">I", self.take(4))[0], False
+        if b == 0x81:
+            return struct.unpack(">Q", self.take(8))[0], False
+        self.fail(f"bad length byte {b:#x}")
+
+    def string(self) -> bytes:
+        n, special = self.length()
+        if not special:
+            return bytes(self.take(n))
+        if n == 0:
+            return str(struct.unpack("b", self.take(1))[0]).encode()
+        if n == 1:
+            return str(struct.unpack("<h", self.take(2))[0]).encode()
+        if n == 2:
+            return str(struct.unpack("<i", self.take(4))[0]).encode()
+        if n == 3:
+            clen, _ = self.length()
+            ulen, _ = self.length()
+            return lzf_decompress(self.take(clen), ulen)
+        self.fail(f"unknown string encoding {n}")
+
+    def skip_value(self, kind: int) -> None:
+        if kind in (1, 2, 14):  # list, set, quicklist: n strings
+            for _ in range(self.length()[0]):
+                self.string()
+        elif kind == 4:  # hash: n pairs
+            for _ in range(2 * self.length()[0]):
+                self.string()
+        elif kind == 3:  # zset with string scores
+            for _ in range(self.length()[0]):
+                self.string()
+                n = self.byte()
+                if n < 253:
+                    self.take(n)
+        elif kind == 5:  # zset with binary scores
+            for _ in range(self.length()[0]):
+                self.string()
+                self.take(8)
+        elif kind in (9, 10, 11, 12, 13, 16, 17):  # one encoded blob
+            self.string()
+        elif kind == 18:  # quicklist 2: n (container, blob)
+            for _ in range(self.length()[0]):
+                self.length()
+                self.string()
+        else:
+            self.fail(f"value type {kind} (stream or module) cannot be skipped")
+
+
+def read_strings(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of every string key that starts with ``prefix`` in the RDB file at ``path``."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ShardDataError(f"snapshot {path}: empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            r = _Reader(memoryview(mm), str(path))
+            try:
+                magic = bytes(r.take(9))
+                if not magic.startswith(b"REDIS"):
+                    r.fail(f"not an RDB file (starts with {magic[:5]!r})")
+                while True:
+                    op = r.byte()
+                    if op == _EOF:
+                        return
+                    if op == _AUX:
+                        r.string()
+                        r.string()
+                    elif op == _SELECTDB:
+                        r.length()
+                    elif op == _RESIZEDB:
+                        r.length()
+                        r.length()
+                    elif op == _EXPIRE_MS:
+                        r.take(8)
+                    elif op == _EXPIRE_S:
+                        r.take(4)
+                    elif op == _FREQ:
+                        r.byte()
+                    elif op == _IDLE:
+                        r.length()
+                    elif op == _FUNCTION2:
+                        r.string()
+                    elif op <= 19:
+                        key = r.string()
+                        if op == 0:
+                            value = r.string()
+                            if key.startswith(prefix):
+                                yield key, value
+                        else:
+                            r.skip_value(op)
+                    else:
+                        r.fail(f"unknown opcode {op:#x}")
+            finally:
+                r.buf.release()
+
+
+def lzf_decompress(data, ulen: int) -> bytes:
+    """LZF, as Redis writes compressed strings."""
+    src = bytes(data)
+    out = bytearray()
+    i, n = 0, len(src)
+    while i < n:
+        ctrl = src[i]
+        i += 1
+        if ctrl < 32:
+            out += src[i : i + ctrl + 1]
+            i += ctrl + 1
+            continue
+        length = ctrl >> 5
+        if length == 7:
+            length += src[i]
+            i += 1
+        ref = len(out) - ((ctrl & 0x1F) << 8) - src[i] - 1
+        i += 1
+        length += 2
+        if ref < 0:
+            raise ShardDataError("corrupt LZF block in snapshot")
+        if ref + length <= len(out):
+            out += out[ref : ref + length]
+        else:
+            for k in range(length):
+                out.append(out[ref + k])
+    if len(out) != ulen:
+        raise ShardDataError(f"LZF block decompressed to {len(out)} bytes, expected {ulen}")
+    return bytes(out)
+
+
+def group_rows(pairs: Iterator[tuple[bytes, bytes]], namespace: str):
+    """Split a shard's keys into rows per table and the rest: -> ({table: (ids, values)}, [(key, value)])."""
+    head = namespace.encode() + b":"
+    rows: dict[int, tuple[list[bytes], list[bytes]]] = {}
+    other: list[tuple[bytes, bytes]] = []
+    for key, value in pairs:
+        rest = key[len(head) :]
+        t, sep, rid = rest.partition(b":")
+        if sep and t.isdigit() and len(rid) == 8:
+            ids, vals = rows.setdefault(int(t), ([], []))
+            ids.append(rid)
+            vals.append(value)
+        else:
+            other.append((key, value))
+    out = {}
+    for t, (ids, vals) in rows.items():
+        out[t] = (np.frombuffer(b"".join(ids), ">u8").astype(np.int64), b"".join(vals))
+    return out, other

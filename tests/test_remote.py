@@ -1,0 +1,121 @@
+"""Shards on servers the project did not start (other machines): snapshots and restores over the
+protocol. The servers are kept alive by a supervisor in the test (``tests/supervisor.py``) that
+restarts a killed server empty on the same port; the test kills one from outside at a random
+moment mid-run (``REMOTE_SEED=N`` replays a draw)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _STARTED_PIDS, train_cli
+from tests.supervisor import Supervised
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--steps", "120", "--rows-per-table", "2000", "--batch-size", "256", "--embedding-dim", "8"]
+BASE += ["--eval-every", "0", "--eval-samples", "2048", "--log-every", "5", "--checkpoint-every", "20"]
+BASE += ["--timeout", "1", "--max-restarts", "0"]
+SEED = int(os.environ.get("REMOTE_SEED", time.time_ns() % 100_000))
+
+
+@pytest.fixture
+def servers(tmp_path):
+    with Supervised(3, tmp_path / "servers") as s:
+        _STARTED_PIDS.update(s.pids)
+        yield s
+        _STARTED_PIDS.update(s.pids)
+
+
+def kill_mid_run(
+    servers: Supervised, out: Path, shard: int, rng: random.Random, hold: bool = False
+) -> threading.Thread:
+    """From outside: once training logged its first steps, wait a random moment, SIGKILL the server."""
+
+    def run():
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("loss") >= 2):
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.0))
+        if hold:
+            servers.hold(shard)
+        servers.kill(shard)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The failure-free run, on local shards: embeddings do not depend on where shards run."""
+    return train_cli(tmp_path_factory.mktemp("remote-ref"), *BASE, "--shards", "3", "--recovery", "log")
+
+
+def remote_run(out: Path, servers: Supervised, strategy: str, shard: int, *flags: str) -> dict:
+    rng = random.Random(SEED)
+    killer = kill_mid_run(servers, out, shard, rng)
+    s = train_cli(out, *BASE, "--redis", ",".join(servers.urls), "--recovery", strategy, *flags)
+    killer.join()
+    assert servers.restarts[shard] >= 1, f"seed {SEED}: the server was not killed mid-run"
+    return s
+
+
+def test_log_recovery_of_a_remote_shard_is_exact(tmp_path, servers, reference):
+    shard = SEED % 3
+    s = remote_run(tmp_path / "run", servers, "log", shard)
+    msg = f"seed {SEED}: {json.dumps(s['failures'])}"
+    recs = [f for f in s["failures"] if f["strategy"] == "log"]
+    assert [f["target"] for f in recs] == [shard], msg
+    assert recs[0]["restored_bytes"] > 0 and recs[0]["lost_updates"] == 0, msg
+    assert s["embedding_digest"] == reference["embedding_digest"], msg
+    # checkpoints came over the network: each holds an RDB per shard
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step_*/shard*.rdb"))
+    assert ckpts and all(p.stat().st_size > 0 for p in ckpts)
+
+
+def test_partial_recovery_restores_only_the_failed_remote_shard(tmp_path, servers, reference):
+    shard = SEED % 3
+    s = remote_run(tmp_path / "run", servers, "partial", shard)
+    recs = [f for f in s["failures"] if f["strategy"] == "partial"]
+    msg = f"seed {SEED}: {json.dumps(recs)}"
+    assert [f["target"] for f in recs] == [shard], msg
+    f = recs[0]
+    assert f["lost_updates"] > 0 and f["lost_samples"] > 0, msg
+    assert f["lost_samples"] <= (f["step"] - 1 - f["restored_from_step"]) * 256 + 1e-6, msg
+    assert s["pls"] == pytest.approx(f["lost_samples"] / s["samples_trained"], rel=1e-6)
+    # the other servers kept running: only the failed one was restarted
+    assert [servers.restarts[i] for i in range(3) if i != shard] == [0, 0]
+
+
+def test_a_server_that_never_comes_back_ends_clearly_and_resume_finishes(tmp_path, servers, reference):
+    shard = SEED % 3
+    out = tmp_path / "run"
+    killer = kill_mid_run(servers, out, shard, random.Random(SEED), hold=True)
+    flags = [*BASE, "--redis", ",".join(servers.urls), "--recovery", "log", "--shard-restart-timeout", "2"]
+    flags += ["--max-restarts", "1"]  # per-step dense saves: what --resume starts from
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    killer.join()
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"shard {shard} at {servers.urls[shard]}" in err[-1] and "--resume" in err[-1], err[-1]
+    assert not (out / "summary.json").exists()
+    servers.release(shard)  # the machine is back (empty)
+    deadline = time.monotonic() + 20
+    while servers.restarts[shard] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = train_cli(out, "--resume", str(out))
+    assert s["steps_completed"] == 120 and s["embedding_digest"] == reference["embedding_digest"]
+    assert any(f["target"] == shard and f["strategy"] == "log" for f in s["failures"]), s["failures"]
