@@ -75,6 +75,8 @@ class ShardSpec:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     maxmemory: str | None = None
+    replicaof: int | None = None
+    """A replica's primary (its port on ``host``)."""
 
     @property
     def rdb_path(self) -> Path:
@@ -103,9 +105,15 @@ def write_shard_config(spec: ShardSpec) -> Path:
         f"logfile {Path(spec.workdir) / 'redis.log'}",
         "lua-time-limit 60000",
         "stop-writes-on-bgsave-error no",
+        "repl-diskless-sync-delay 0",  # a replica starts its first sync at once
     ]
     if spec.password:
         lines.append(f"requirepass {spec.password}")
+        lines.append(f"masterauth {spec.password}")
+    if spec.replicaof is not None:
+        lines.append(f"replicaof {spec.host} {spec.replicaof}")
+        if spec.tls_cert_file:
+            lines.append("tls-replication yes")
     if spec.maxmemory:
         lines.append(f"maxmemory {spec.maxmemory}")
     path = Path(spec.workdir) / "redis.conf"
@@ -262,6 +270,7 @@ class LocalShards:
         maxmemory: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        replicas: bool = False,
     ) -> None:
         if num_shards <= 0:
             raise ValueError(f"num_shards={num_shards} must be > 0")
@@ -277,6 +286,8 @@ class LocalShards:
         self.tls_files = (tls_cert_file, tls_key_file)
         self._root: Path | None = None
         self._shards: list[_Shard] = []
+        self.with_replicas = replicas
+        self._replicas: list[_Shard] = []  # one per shard with replicas=True: replicaof the shard
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> LocalShards:
@@ -291,15 +302,23 @@ class LocalShards:
                 shard = _Shard(index=i, port=0, workdir=workdir)
                 self._shards.append(shard)
                 self._spawn(shard, new_port=True)
+            for i in range(self.num_shards if self.with_replicas else 0):
+                workdir = self._root / f"replica{i}"
+                workdir.mkdir()
+                rep = _Shard(index=i, port=0, workdir=workdir)
+                self._replicas.append(rep)
+                self._spawn(rep, new_port=True)
+            for i in range(len(self._replicas)):
+                self._await_link(i)
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
-        for shard in self._shards:
+        for shard in self._shards + self._replicas:
             self._terminate(shard)
-        self._shards = []
+        self._shards, self._replicas = [], []
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
@@ -312,14 +331,20 @@ class LocalShards:
         self.stop()
 
     # -- addresses ----------------------------------------------------------------------
-    def url(self, i: int) -> str:
+    def url(self, i: int, replica: bool = False) -> str:
         auth = f":{self.password}@" if self.password else ""
         scheme = "rediss" if self.tls else "redis"
-        return f"{scheme}://{auth}{self.host}:{self._shards[i].port}/0"
+        port = (self._replicas if replica else self._shards)[i].port
+        return f"{scheme}://{auth}{self.host}:{port}/0"
 
     @property
     def urls(self) -> list[str]:
         return [self.url(i) for i in range(len(self._shards))]
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """One replica per shard (``replicas=True``), in shard order."""
+        return [self.url(i, replica=True) for i in range(len(self._replicas))]
 
     @property
     def ports(self) -> list[int]:
@@ -331,7 +356,9 @@ class LocalShards:
 
     @property
     def pids(self) -> list[int]:
-        return [p for p in (self.pid(i) for i in range(len(self._shards))) if p is not None]
+        """Every server's pid, replicas included."""
+        procs = [s.proc for s in self._shards + self._replicas]
+        return [p.pid for p in procs if p is not None and p.poll() is None]
 
     def is_alive(self, i: int) -> bool:
         return self.pid(i) is not None
@@ -367,11 +394,12 @@ class LocalShards:
         self._terminate(shard)
         self._spawn(shard, new_port=False)
 
-    def spec(self, i: int) -> ShardSpec:
-        shard = self._shards[i]
+    def spec(self, i: int, replica: bool = False) -> ShardSpec:
+        shard = (self._replicas if replica else self._shards)[i]
         return ShardSpec(
             index=i,
             port=shard.port,
+            replicaof=self._shards[i].port if replica else None,
             workdir=str(shard.workdir),
             binary=self.binary,
             host=self.host,
@@ -387,21 +415,39 @@ class LocalShards:
 
     # -- internals ----------------------------------------------------------------------
     def _spawn(self, shard: _Shard, new_port: bool) -> None:
+        replica = shard in self._replicas
         attempts = 5 if new_port else 1
         last: Exception | None = None
         for _ in range(attempts):
             if new_port:
                 shard.port = free_port(self.host)
             try:
-                shard.proc = spawn_shard(self.spec(shard.index), die_with_parent=True, timeout_s=self.startup_timeout_s)
+                spec = self.spec(shard.index, replica=replica)
+                shard.proc = spawn_shard(spec, die_with_parent=True, timeout_s=self.startup_timeout_s)
                 shard.stalled = False
                 return
             except LauncherError as e:  # e.g. the port was taken meanwhile
                 last = e
         raise last  # type: ignore[misc]
 
+    def _await_link(self, i: int) -> None:
+        """Until replica ``i`` has its primary's data and follows it (``master_link_status:up``)."""
+        client = redis.Redis.from_url(self.url(i, replica=True), socket_timeout=1.0, **self._tls_kwargs())
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise LauncherError(f"replica of shard {i} did not sync within {self.startup_timeout_s}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _tls_kwargs(self) -> dict:
+        return dict(ssl_ca_certs=self.tls_files[0]) if self.tls else {}
+
     def _terminate(self, shard: _Shard) -> None:
-        _kill_pidfile(self.spec(shard.index), shard.proc.pid if shard.proc is not None else None)
+        spec = self.spec(shard.index, replica=shard in self._replicas)
+        _kill_pidfile(spec, shard.proc.pid if shard.proc is not None else None)
         if shard.proc is not None:
             _stop_process(shard.proc)
         shard.proc = None

@@ -62,6 +62,7 @@ class RedisStore(StoreBase):
         placement: str = "row",
         timeout_s: float = 5.0,
         connection_kwargs: dict | None = None,
+        replica_urls: Sequence[str] | None = None,
     ) -> None:
         super().__init__(tables, optimizer, seed)
         if not urls:
@@ -86,13 +87,20 @@ class RedisStore(StoreBase):
             protocol=2,  # embeddings.wire speaks RESP2 (nil is $-1)
         )
         kwargs.update(connection_kwargs or {})
-        self._pools = [redis.ConnectionPool.from_url(u, **kwargs) for u in urls]
-        for p in self._pools:  # a ?protocol=3 in a URL must not change the wire format
-            p.connection_kwargs["protocol"] = 2
+        self._kwargs = kwargs
+        if replica_urls is not None and len(replica_urls) != len(urls):
+            raise ValueError(f"{len(replica_urls)} replica URLs for {len(urls)} shards: one per shard")
+        self.replica_urls: list[str | None] = list(replica_urls) if replica_urls else [None] * len(urls)
+        self._pools = [self._new_pool(u) for u in urls]
         self._clients = [redis.Redis(connection_pool=p) for p in self._pools]
         self._wires = [RowConnection(p, timeout_s) for p in self._pools]
         self._locks = [threading.Lock() for _ in urls]  # one bulk call per shard socket at a time
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
+
+    def _new_pool(self, url: str) -> redis.ConnectionPool:
+        pool = redis.ConnectionPool.from_url(url, **self._kwargs)
+        pool.connection_kwargs["protocol"] = 2  # a ?protocol=3 in a URL must not change the wire format
+        return pool
 
     @property
     def num_shards(self) -> int:
@@ -219,6 +227,40 @@ class RedisStore(StoreBase):
         with self._locks[shard]:
             self._wires[shard].close()
         self._pools[shard].disconnect()
+
+    def has_replica(self, shard: int) -> bool:
+        return self.replica_urls[shard] is not None
+
+    def promote(self, shard: int) -> None:
+        """Make the shard's replica a primary (``REPLICAOF NO ONE``) and serve the shard from it."""
+        url = self.replica_urls[shard]
+        if url is None:
+            raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: no replica left to promote")
+        client = redis.Redis(connection_pool=self._new_pool(url))
+        try:
+            self._call(shard, lambda: client.execute_command("REPLICAOF", "NO", "ONE"))
+        finally:
+            client.close()
+            client.connection_pool.disconnect()
+        self.failover(shard)
+
+    def failover(self, shard: int) -> None:
+        """Serve the shard from its (promoted) replica from now on; it has no replica left."""
+        url = self.replica_urls[shard]
+        if url is None:
+            return  # already done
+        with self._locks[shard]:
+            self._wires[shard].close()
+            self._pools[shard].disconnect()
+            self._pools[shard] = self._new_pool(url)
+            self._clients[shard] = redis.Redis(connection_pool=self._pools[shard])
+            self._wires[shard] = RowConnection(self._pools[shard], self.timeout_s)
+            self.urls[shard], self.endpoints[shard] = url, redact(url)
+            self.replica_urls[shard] = None
+
+    def wait_replicated(self, shard: int, timeout_ms: int = 1000) -> int:
+        """``WAIT 1``: block until the shard's replica has every write so far; -> replicas that have them."""
+        return int(self.call(shard, lambda c: c.execute_command("WAIT", 1, timeout_ms)))
 
     def _locked_get(self, shard: int, key: bytes) -> bytes | None:
         with self._locks[shard]:

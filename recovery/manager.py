@@ -47,6 +47,7 @@ from recovery.strategy import Strategy
 
 STRATEGIES = tuple(s.value for s in Strategy)
 MAX_ATTEMPTS = 8  # retries of one phase before the run gives up (shards that keep failing)
+RECENT = 512  # steps of update totals kept for replica-loss accounting
 IN_RECOVERY = "recovery_in_progress.json"  # shards whose restore a dead trainer may have left half-done
 
 
@@ -106,6 +107,7 @@ class RecoveryManager:
     run_dir: Path | None = None  # where restart markers live
     log_dir: Path | None = None  # every shard's logs (rank 0 replays and trims them)
     restart_timeout_s: float = 60.0  # how long a remote shard's supervisor has to bring it back
+    replica_wait: bool = False  # writers wait until replicas acknowledged each step's writes
 
     def __post_init__(self) -> None:
         try:
@@ -119,6 +121,8 @@ class RecoveryManager:
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
+        self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
+        self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -175,7 +179,7 @@ class RecoveryManager:
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
     # -- accounting ------------------------------------------------------------------------------
-    def count_updates(self, updated: dict[str, np.ndarray]) -> None:
+    def count_updates(self, updated: dict[str, np.ndarray], step: int | None = None) -> None:
         per_shard = np.zeros(self.store.num_shards, dtype=np.int64)
         for name, ids in updated.items():
             t = self.store.tables.index(name)
@@ -183,6 +187,9 @@ class RecoveryManager:
             if self.priority is not None:
                 self.priority.observe(t, ids)
         self.counter.add(per_shard)
+        if step is not None and self.strategy.promotes:
+            self._recent[step] = self.counter.total.copy()
+            self._recent.pop(step - RECENT, None)
 
     def on_checkpoint(self, step: int) -> None:
         self.counter.mark(step)
@@ -223,16 +230,19 @@ class RecoveryManager:
                 if len(pos) and (only is None or s in only):
                     per_shard.setdefault(s, {})[name] = (ids[pos], grads[pos])
 
-        def write(sub: dict) -> None:
+        def write(s: int, sub: dict) -> None:
             ok, written = self.guard(lambda: self.store.update_many(sub, step=step))
             if ok:
                 self.log_step(step, written)
+            if ok and self.replica_wait and self.store.has_replica(s):
+                ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
+                self.unacked_waits += int(ok and acked < 1)
 
         if len(per_shard) <= 1:
-            for sub in per_shard.values():
-                write(sub)
+            for s, sub in per_shard.items():
+                write(s, sub)
             return
-        for f in [self._pool.submit(write, sub) for sub in per_shard.values()]:
+        for f in [self._pool.submit(write, s, sub) for s, sub in per_shard.items()]:
             f.result()
 
     # -- recovery -------------------------------------------------------------------------------
@@ -262,7 +272,10 @@ class RecoveryManager:
             raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
         recovered = [int(s) for s in np.flatnonzero(verdict[2 : 2 + n])]
         for s in range(n) if self.strategy.rolls_back else recovered:
-            self.store.reconnect(s)  # connections to the old processes are dead
+            if self.strategy.promotes:
+                self.store.failover(s)  # every trainer serves the shard from its promoted replica
+            else:
+                self.store.reconnect(s)  # connections to the old processes are dead
         self.drain()
         for s in recovered:
             self._detected.pop(s, None)
@@ -293,7 +306,8 @@ class RecoveryManager:
                 break
             s = pending.pop(0)
             try:
-                rec, restored_to[s] = self._recover_one(s, step)
+                recover = self._recover_by_replica if self.strategy.promotes else self._recover_one
+                rec, restored_to[s] = recover(s, step)
                 self._finish_record(rec, phase)
                 self.note(
                     f"step {step}: shard {s} restored from step {rec['restored_from_step']}, now as of {restored_to[s]}"
@@ -438,6 +452,30 @@ class RecoveryManager:
             self._lost_since[shard] = (completed, self.counter.total.tolist())
             rec["_since"] = [completed, self.counter.total.tolist()]
         return rec, as_of
+
+    def _recover_by_replica(self, shard: int, step: int) -> tuple[dict, int]:
+        """Promote the shard's replica; nothing is loaded. The steps it had not received are lost:
+        -> (failure record, the step its rows are as of)."""
+        rec = self._base_record((self._kind(shard), shard), step)
+        failed_endpoint = self.store.endpoint(shard)
+        self.store.promote(shard)
+        at = self.store.applied_step(shard) or 0
+        rec.update(promoted=self.store.endpoint(shard), failed_endpoint=failed_endpoint)
+        rec["restored_from_step"], rec["restored_bytes"] = at, 0
+        completed = step - 1
+        if at >= completed:
+            rec["lost_updates"], rec["lost_samples"] = 0, 0.0
+        else:
+            known = [k for k in self._recent if k <= at] or [k for k in self.counter.at_step if k <= at]
+            base = max(known)  # the replica's step, or the newest step before it we hold totals of
+            totals = self._recent.get(base, self.counter.at_step.get(base))
+            since = self.counter.total - totals
+            rec["lost_updates"] = int(since[shard])
+            rec["lost_samples"] = round(
+                lost_samples((completed - at) * self.batch_size, rec["lost_updates"], int(since.sum())), 3
+            )
+        self.lost.append(rec["lost_samples"])
+        return rec, at
 
     def _replay(self, shard: int, after_step: int) -> tuple[int, int]:
         """Write the shard's logged rows of steps after ``after_step`` back, in log order.
@@ -645,7 +683,7 @@ class NoRecovery:
         fn(None)
         return CONTINUE
 
-    def count_updates(self, updated) -> None:
+    def count_updates(self, updated, step=None) -> None:
         pass
 
     def on_checkpoint(self, step: int) -> None:

@@ -16,6 +16,8 @@ class Strategy(StrEnum):
     """partial, plus priority saves of sub-sampled updated rows (bounded memory)."""
     LOG = "log"
     """partial, then the shard's update log is replayed: nothing lost."""
+    REPLICA = "replica"
+    """The shard's replica is promoted; nothing is loaded. Updates it had not received are lost and counted."""
 
     @classmethod
     def parse(cls, value: str, where: str = "recovery") -> Strategy:
@@ -35,3 +37,7 @@ class Strategy(StrEnum):
     @property
     def replays_log(self) -> bool:
         return self is Strategy.LOG
+
+    @property
+    def promotes(self) -> bool:
+        return self is Strategy.REPLICA

@@ -63,6 +63,7 @@ class StoreBackend:
             seed=cfg.train.seed,
             placement=cfg.embeddings.placement,
             timeout_s=cfg.embeddings.timeout_s,
+            replica_urls=cfg.embeddings.replica_urls or None,
         )
         self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch else None
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)

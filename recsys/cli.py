@@ -48,6 +48,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "local (start shards here) | redis[s]://[user:pass@]host:port[,...] (shards that already run)",
     ),
     "--shards": ("embeddings", "shards", int, "local shards to start when --redis local"),
+    "--replicas": (
+        "embeddings",
+        "replicas",
+        str,
+        "a replica per shard for --recovery replica: local (start them here) | redis[s]://host:port[,...] (one per shard)",
+    ),
     "--placement": ("embeddings", "placement", str, "row -> shard map: row (hashed per row) | table"),
     "--timeout": ("embeddings", "timeout_s", float, "seconds before a silent shard is failed"),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
@@ -64,7 +70,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "recovery",
         "recovery",
         str,
-        "shard failure strategy: partial (CPR) | partial-mfu | partial-ssu | log | full",
+        "shard failure strategy: partial (CPR) | partial-mfu | partial-ssu | log | full | replica",
     ),
     "--checkpoint-every": (
         "recovery",
@@ -130,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     tr.add_argument(
+        "--replica-wait",
+        action="store_true",
+        help="with --replicas: each step's writes wait until the replica has them (WAIT 1): a failover loses nothing",
+    )
+    tr.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="finish a run that stopped (a shard that did not come back, Ctrl-C) from its dense state, "
@@ -172,6 +183,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["embeddings"]["prefetch"] = False
     if args.save_model:
         sections["train"]["save_model"] = True
+    if args.replica_wait:
+        sections["embeddings"]["replica_wait"] = True
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
     if under_torchrun:
         # the launcher sets the world; batch divisibility is checked against it

@@ -92,6 +92,11 @@ class EmbeddingConfig:
     """Pull the next batch's rows while this batch computes."""
     namespace: str = ""
     """Key namespace of the run in Redis (default: a fresh one per run)."""
+    replicas: str = ""
+    """A replica per shard (Redis replication), promoted by --recovery replica: ``local`` (with redis=local,
+    start one here per shard) or comma-separated URLs, one per shard, in shard order."""
+    replica_wait: bool = False
+    """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
 
     def __post_init__(self) -> None:
         _check(self.embeddings in ("redis", "local"), "embeddings", self.embeddings, "must be redis or local")
@@ -107,9 +112,26 @@ class EmbeddingConfig:
                     "each URL must start with redis:// or rediss://",
                 )
 
+        if self.replicas:
+            if self.replicas == "local":
+                _check(self.redis == "local", "replicas", self.replicas, "local replicas need --redis local")
+            else:
+                n = len(self.urls) or self.shards
+                _check(len(self.replica_urls) == n, "replicas", self.replicas, f"needs one URL per shard ({n})")
+                for url in self.replica_urls:
+                    _check(url.startswith(("redis://", "rediss://")), "replicas", url, "must start with redis://")
+        _check(not self.replica_wait or bool(self.replicas), "replica_wait", True, "needs --replicas")
+
     @property
     def urls(self) -> list[str]:
         return [] if self.redis == "local" else [u.strip() for u in self.redis.split(",") if u.strip()]
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """The replicas' URLs (empty when none, or before local ones are started)."""
+        if self.replicas in ("", "local"):
+            return []
+        return [u.strip() for u in self.replicas.split(",") if u.strip()]
 
 
 @dataclass
@@ -295,6 +317,15 @@ class RunConfig:
             rc.checkpoint_every,
             "checkpoints cover the Redis tier; the local baseline takes none",
         )
+        from recovery.strategy import Strategy
+
+        if Strategy(rc.recovery).promotes:
+            _check(
+                bool(self.embeddings.replicas),
+                "recovery",
+                rc.recovery,
+                "replica recovery needs a replica per shard (--replicas local or URLs)",
+            )
         if self.embeddings.embeddings == "local":
             _check(
                 self.train.trainers == 1,

@@ -48,15 +48,15 @@ class TrainerFailed(RuntimeError):
 
 @contextlib.contextmanager
 def shard_urls(cfg: RunConfig):
-    """-> (urls, specs of local shards or [])"""
+    """-> (urls, specs of local shards or [], replica URLs or [])"""
     if cfg.embeddings.embeddings == "local":
-        yield [], []
+        yield [], [], []
     elif cfg.embeddings.redis == "local":
-        with LocalShards(cfg.embeddings.shards) as shards:
-            yield shards.urls, shards.specs
+        with LocalShards(cfg.embeddings.shards, replicas=cfg.embeddings.replicas == "local") as shards:
+            yield shards.urls, shards.specs, shards.replica_urls
     else:
-        check_endpoints(cfg.embeddings.urls, cfg.embeddings.timeout_s)
-        yield cfg.embeddings.urls, []
+        check_endpoints(cfg.embeddings.urls + cfg.embeddings.replica_urls, cfg.embeddings.timeout_s)
+        yield cfg.embeddings.urls, [], cfg.embeddings.replica_urls
 
 
 def _peer_lost(err: dict) -> bool:
@@ -168,7 +168,9 @@ def run(cfg: RunConfig, under_launcher: bool = False, resume: bool = False) -> d
         dense.unlink(missing_ok=True)  # an earlier run's
         write_atomic(out / RUN_FILE, json.dumps({"namespace": namespace}))
     supervised = cfg.train.trainers > 1 or (cfg.embeddings.embeddings == "redis" and cfg.recovery.max_restarts > 0)
-    with shard_urls(cfg) as (urls, specs):
+    with shard_urls(cfg) as (urls, specs, replicas):
+        if replicas:  # local replicas: the trainers learn their URLs from the config
+            cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, replicas=",".join(replicas)))
         if not supervised:  # one trainer that nothing would restart: run it here
             return Trainer(cfg, urls, namespace, specs=specs).train()
         return launch_trainers(cfg, urls, namespace, specs)

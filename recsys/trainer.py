@@ -175,8 +175,10 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(store.num_shards) if s % world == rank}
     ckpt = None
     if rc.checkpoint_every:
+        # after a failover a shard is served by its replica: snapshots go over the network
+        local = [] if strategy.promotes else specs
         ckpt = Checkpointer(
-            cfg.checkpoint_dir, rc.keep_checkpoints, specs, store, rank, coll.barrier, run=store.namespace
+            cfg.checkpoint_dir, rc.keep_checkpoints, local, store, rank, coll.barrier, run=store.namespace
         )
         ckpt.on_fork = lambda shard: injector.during("checkpoint")
     priority = None
@@ -203,6 +205,7 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         run_dir=run_dir,
         log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
         restart_timeout_s=rc.shard_restart_timeout,
+        replica_wait=cfg.embeddings.replica_wait,
     )
     if ckpt is not None:
         ckpt.on_saved = manager.on_checkpoint_saved
@@ -380,7 +383,7 @@ class Trainer:
 
         out = self.recovery.run_phase(step, "update", write)
         if not out.rolled_back:
-            self.recovery.count_updates(update.updated)
+            self.recovery.count_updates(update.updated, step)
         return out
 
     def after_step(self, loss: torch.Tensor) -> Outcome:

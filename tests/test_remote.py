@@ -119,3 +119,59 @@ def test_a_server_that_never_comes_back_ends_clearly_and_resume_finishes(tmp_pat
     s = train_cli(out, "--resume", str(out))
     assert s["steps_completed"] == 120 and s["embedding_digest"] == reference["embedding_digest"]
     assert any(f["target"] == shard and f["strategy"] == "log" for f in s["failures"]), s["failures"]
+
+
+REPLICA = [*BASE, "--recovery", "replica", "--checkpoint-every", "0"]
+
+
+def test_replica_promoted_with_replica_wait_loses_nothing(tmp_path, reference):
+    s = train_cli(tmp_path, *REPLICA, "--replicas", "local", "--replica-wait", "--inject", "shard:1@step=60")
+    (f,) = [f for f in s["failures"] if f["strategy"] == "replica"]
+    assert f["target"] == 1 and f["promoted"] != f["failed_endpoint"], f
+    assert f["lost_updates"] == 0 and f["lost_samples"] == 0.0 and s["pls"] == 0.0, f
+    assert f["restored_bytes"] == 0 and 0 <= f["recovery_s"] < 1.0, f  # nothing loaded: a promotion
+    assert s["steps_completed"] == 120 and s["embedding_digest"] == reference["embedding_digest"]
+
+
+def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
+    """The replica is stopped (SIGSTOP) for a while, so the primary's stream to it backs up; then the
+    primary is killed and held down, the replica resumes and is promoted: what it missed is lost."""
+    import signal
+
+    with Supervised(3, tmp_path / "primaries") as prim:
+        extra = [("--replicaof", "127.0.0.1", str(p)) for p in prim.ports]
+        reps = [Supervised(1, tmp_path / f"replica{i}", extra=e) for i, e in enumerate(extra)]
+        _STARTED_PIDS.update(prim.pids + [p for r in reps for p in r.pids])
+        try:
+            for r in reps:  # each replica has synced before the run
+                c = __import__("redis").Redis(port=r.ports[0])
+                while c.info("replication").get("master_link_status") != "up":
+                    time.sleep(0.02)
+            out = tmp_path / "run"
+
+            def lag_then_kill():
+                metrics = out / "metrics.jsonl"
+                while not (metrics.exists() and metrics.read_text().count("loss") >= 2):
+                    time.sleep(0.02)
+                rep = reps[2].procs[0]
+                rep.send_signal(signal.SIGSTOP)
+                time.sleep(3.0)
+                prim.hold(2)
+                prim.kill(2)
+                time.sleep(0.2)
+                rep.send_signal(signal.SIGCONT)
+
+            t = threading.Thread(target=lag_then_kill, daemon=True)
+            t.start()
+            flags = [*REPLICA, "--steps", "400", "--timeout", "2"]
+            flags += ["--redis", ",".join(prim.urls), "--replicas", ",".join(r.urls[0] for r in reps)]
+            s = train_cli(out, *flags)
+            t.join()
+        finally:
+            for r in reps:
+                r.close()
+    (f,) = [f for f in s["failures"] if f["strategy"] == "replica"]
+    assert f["target"] == 2 and f["promoted"] == reps[2].urls[0], f
+    assert f["restored_from_step"] < f["step"] - 1 and f["lost_updates"] > 0, f
+    assert 0 < f["lost_samples"] <= (f["step"] - 1 - f["restored_from_step"]) * 256, f
+    assert s["pls"] == pytest.approx(f["lost_samples"] / s["samples_trained"], rel=1e-6)
