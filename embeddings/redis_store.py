@@ -17,8 +17,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
+from embeddings.cluster import is_cluster_url, node_url, owner_of, owners, seed_urls, shard_tags
 from embeddings.errors import (
     ShardDataError,
     ShardTimeoutError,
@@ -71,11 +73,16 @@ class RedisStore(StoreBase):
             raise ValueError(f"namespace {namespace!r} must be non-empty without ':' or spaces")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
-        for u in urls:
-            if urlsplit(u).scheme not in ("redis", "rediss"):
-                raise ValueError(f"shard URL {redact(u)!r} must start with redis:// or rediss://")
+        self.cluster: list[str] | None = None  # seed node URLs when the tier is a Redis Cluster
+        if is_cluster_url(urls[0]):
+            if len(set(urls)) != 1:
+                raise ValueError("a Redis Cluster tier takes one redis+cluster:// URL (for every logical shard)")
+            self.cluster = seed_urls(urls[0])
+        else:
+            for u in urls:
+                if urlsplit(u).scheme not in ("redis", "rediss"):
+                    raise ValueError(f"shard URL {redact(u)!r} must start with redis:// or rediss://")
         self.urls = list(urls)
-        self.endpoints = [redact(u) for u in urls]
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.shard_map = ShardMap(tables, len(urls), placement)  # type: ignore[arg-type]
@@ -88,10 +95,19 @@ class RedisStore(StoreBase):
         )
         kwargs.update(connection_kwargs or {})
         self._kwargs = kwargs
+        self._tags: list[str] | None = None
+        if self.cluster is not None:
+            try:
+                ranges = owners(self.cluster, kwargs)
+            except redis.RedisError as e:
+                raise ShardUnavailableError(0, urls[0].split("@")[-1], str(e)) from None
+            self._tags = shard_tags(namespace, len(urls), ranges)
+            self.urls = [self._owner_url(s, ranges) for s in range(len(urls))]
+        self.endpoints = [redact(u) for u in self.urls]
         if replica_urls is not None and len(replica_urls) != len(urls):
             raise ValueError(f"{len(replica_urls)} replica URLs for {len(urls)} shards: one per shard")
         self.replica_urls: list[str | None] = list(replica_urls) if replica_urls else [None] * len(urls)
-        self._pools = [self._new_pool(u) for u in urls]
+        self._pools = [self._new_pool(u) for u in self.urls]
         self._clients = [redis.Redis(connection_pool=p) for p in self._pools]
         self._wires = [RowConnection(p, timeout_s) for p in self._pools]
         self._locks = [threading.Lock() for _ in urls]  # one bulk call per shard socket at a time
@@ -106,16 +122,25 @@ class RedisStore(StoreBase):
     def num_shards(self) -> int:
         return len(self._clients)
 
-    def prefix(self, table_index: int) -> bytes:
-        return f"{self.namespace}:{table_index}:".encode()
+    def key_namespace(self, shard: int) -> str:
+        """What a shard's keys start with: the namespace, or on a cluster its hash tag ``{ns.S.J}``."""
+        return self.namespace if self._tags is None else "{" + self._tags[shard] + "}"
 
-    def meta_key(self, name: str) -> bytes:
+    def prefix(self, table_index: int, shard: int) -> bytes:
+        return f"{self.key_namespace(shard)}:{table_index}:".encode()
+
+    def meta_key(self, name: str, shard: int) -> bytes:
         """A per-shard bookkeeping key of this namespace (not a row: rows have 8 binary id bytes)."""
-        return f"{self.namespace}:meta:{name}".encode()
+        return f"{self.key_namespace(shard)}:meta:{name}".encode()
 
     def key(self, table_index: int, row: int) -> bytes:
         """The Redis key of one row."""
-        return self.prefix(table_index) + int(row).to_bytes(8, "big")
+        shard = int(self.shard_map.shard_of(table_index, np.array([row]))[0])
+        return self.prefix(table_index, shard) + int(row).to_bytes(8, "big")
+
+    def _owner_url(self, shard: int, ranges) -> str:
+        host, port = owner_of(ranges, key_slot(self._tags[shard].encode()))
+        return node_url(self.cluster[0], host, port)
 
     # -- error mapping -------------------------------------------------------------------
     def _call(self, shard: int, fn: Callable[[], T]) -> T:
@@ -132,7 +157,8 @@ class RedisStore(StoreBase):
             msg = str(e)
             if "WRONGPASS" in msg or "NOAUTH" in msg or "NOPERM" in msg:
                 raise StoreAuthError(shard, endpoint, msg) from None
-            if msg.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN")):  # up, not ready yet: unavailable for now
+            if msg.startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK")):
+                # up but not serving this shard now (loading, failing over, slot moved): unavailable for now
                 raise ShardUnavailableError(shard, endpoint, msg) from None
             raise ShardDataError(f"shard {shard} at {endpoint}: {msg}") from None
 
@@ -169,7 +195,7 @@ class RedisStore(StoreBase):
                     plan.setdefault(s, []).append((t, pos))
 
         def pull_from(s: int, groups: list[tuple[int, np.ndarray]]):
-            args = [(self.prefix(t), requests[t][pos], 4 * self.width(t)) for t, pos in groups]
+            args = [(self.prefix(t, s), requests[t][pos], 4 * self.width(t)) for t, pos in groups]
 
             def run():
                 with self._locks[s]:
@@ -195,13 +221,13 @@ class RedisStore(StoreBase):
                     plan.setdefault(s, []).append((t, pos))
 
         def push_to(s: int, groups):
-            args = [(self.prefix(t), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
+            args = [(self.prefix(t, s), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
             extra = []
             if step is not None:
-                extra.append([b"SET", self.meta_key("applied"), b"%d" % step])
+                extra.append([b"SET", self.meta_key("applied", s), b"%d" % step])
                 if undo is not None:
                     blob = encode_groups(step, [(t, requests[t][0][pos], undo[t][pos]) for t, pos in groups])
-                    extra.append([b"SET", self.meta_key("undo"), blob])
+                    extra.append([b"SET", self.meta_key("undo", s), blob])
 
             def run():
                 with self._locks[s]:
@@ -223,13 +249,31 @@ class RedisStore(StoreBase):
         return self._call(shard, lambda: fn(self._clients[shard]))
 
     def reconnect(self, shard: int) -> None:
-        """Drop this shard's connections (its server was replaced); the next call opens new ones."""
+        """Drop this shard's connections (its server was replaced); the next call opens new ones. On
+        a cluster, the shard follows its slot to the node that serves it now (after a failover)."""
         with self._locks[shard]:
             self._wires[shard].close()
         self._pools[shard].disconnect()
+        if self.cluster is not None:
+            known = list(dict.fromkeys(u for u in self.urls if u != self.urls[shard])) + self.cluster
+            try:
+                url = self._owner_url(shard, owners(known, self._kwargs))
+            except redis.RedisError:
+                return  # no node answers now: the next call fails and recovery tries again
+            if url != self.urls[shard]:
+                self._repoint(shard, url)
+
+    def _repoint(self, shard: int, url: str) -> None:
+        with self._locks[shard]:
+            self._wires[shard].close()
+            self._pools[shard].disconnect()
+            self._pools[shard] = self._new_pool(url)
+            self._clients[shard] = redis.Redis(connection_pool=self._pools[shard])
+            self._wires[shard] = RowConnection(self._pools[shard], self.timeout_s)
+            self.urls[shard], self.endpoints[shard] = url, redact(url)
 
     def has_replica(self, shard: int) -> bool:
-        return self.replica_urls[shard] is not None
+        return self.cluster is not None or self.replica_urls[shard] is not None
 
     def promote(self, shard: int) -> None:
         """Make the shard's replica a primary (``REPLICAOF NO ONE``) and serve the shard from it."""
@@ -246,17 +290,14 @@ class RedisStore(StoreBase):
 
     def failover(self, shard: int) -> None:
         """Serve the shard from its (promoted) replica from now on; it has no replica left."""
+        if self.cluster is not None:
+            self.reconnect(shard)  # the cluster promoted the replica: follow the slot
+            return
         url = self.replica_urls[shard]
         if url is None:
             return  # already done
-        with self._locks[shard]:
-            self._wires[shard].close()
-            self._pools[shard].disconnect()
-            self._pools[shard] = self._new_pool(url)
-            self._clients[shard] = redis.Redis(connection_pool=self._pools[shard])
-            self._wires[shard] = RowConnection(self._pools[shard], self.timeout_s)
-            self.urls[shard], self.endpoints[shard] = url, redact(url)
-            self.replica_urls[shard] = None
+        self._repoint(shard, url)
+        self.replica_urls[shard] = None
 
     def wait_replicated(self, shard: int, timeout_ms: int = 1000) -> int:
         """``WAIT 1``: block until the shard's replica has every write so far; -> replicas that have them."""
@@ -268,7 +309,7 @@ class RedisStore(StoreBase):
 
     def applied_step(self, shard: int) -> int | None:
         """The last step whose update this shard applied (None: never)."""
-        raw = self._call(shard, lambda: self._locked_get(shard, self.meta_key("applied")))
+        raw = self._call(shard, lambda: self._locked_get(shard, self.meta_key("applied", shard)))
         return None if raw is None else int(raw)
 
     def applied_steps(self) -> list[int | None]:
@@ -277,7 +318,7 @@ class RedisStore(StoreBase):
         def get(s: int):
             def run():
                 with self._locks[s]:
-                    v = self._wires[s].get(self.meta_key("applied"))
+                    v = self._wires[s].get(self.meta_key("applied", s))
                 return None if v is None else int(v)
 
             return run
@@ -287,8 +328,8 @@ class RedisStore(StoreBase):
 
     def write_shard(self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None) -> int:
         """Write rows (table index, ids, rows [n, width]) onto one shard, with its applied-step marker."""
-        args = [(self.prefix(t), ids, rows) for t, ids, rows in groups]
-        extra = [[b"SET", self.meta_key("applied"), b"%d" % step]] if step is not None else []
+        args = [(self.prefix(t, shard), ids, rows) for t, ids, rows in groups]
+        extra = [[b"SET", self.meta_key("applied", shard), b"%d" % step]] if step is not None else []
 
         def run():
             with self._locks[shard]:
@@ -301,7 +342,7 @@ class RedisStore(StoreBase):
         applied = self.applied_step(shard)
         if applied is None or applied <= to_step:
             return 0
-        blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo")))
+        blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo", shard)))
         if blob is None:
             raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
         undo_step, groups = decode_groups(blob)
@@ -310,8 +351,11 @@ class RedisStore(StoreBase):
                 f"shard {shard} at {self.endpoints[shard]}: at step {applied}, cannot roll back to {to_step} "
                 f"(undo record is for step {undo_step}; one step can be undone)"
             )
-        args = [(self.prefix(t), ids, rows) for t, ids, rows in groups]
-        extra = [[b"SET", self.meta_key("applied"), b"%d" % to_step], [b"SET", self.meta_key("undo"), b""]]
+        args = [(self.prefix(t, shard), ids, rows) for t, ids, rows in groups]
+        extra = [
+            [b"SET", self.meta_key("applied", shard), b"%d" % to_step],
+            [b"SET", self.meta_key("undo", shard), b""],
+        ]
 
         def run():
             with self._locks[shard]:
@@ -325,11 +369,15 @@ class RedisStore(StoreBase):
 
         def run() -> int:
             n = 0
-            for batch in _chunks(c.scan_iter(match=f"{self.namespace}:*", count=10_000), 10_000):
+            for batch in _chunks(c.scan_iter(match=self._match(shard), count=10_000), 10_000):
                 n += c.unlink(*batch)
             return n
 
         return self._call(shard, run)
+
+    def _match(self, shard: int) -> str:
+        """SCAN pattern of a shard's keys (a cluster tag's braces are literal in a pattern)."""
+        return self.key_namespace(shard).replace("[", "\\[") + ":*"
 
     def snapshot(self, shard: int, dest, timeout_s: float = 600.0):
         """A ``NetworkSnapshot`` of one shard into ``dest``; ``start()`` it at the snapshot point."""
@@ -345,7 +393,8 @@ class RedisStore(StoreBase):
         pipelined transactions of ``chunk_rows`` rows); returns the bytes written."""
         from embeddings.rdb import group_rows, read_strings
 
-        tables, other = group_rows(read_strings(path, f"{self.namespace}:".encode()), self.namespace)
+        ns = self.key_namespace(shard)
+        tables, other = group_rows(read_strings(path, f"{ns}:".encode()), ns)
         written = 0
         for t, (ids, values) in tables.items():
             rows = np.frombuffer(values, "<f4").reshape(len(ids), self.width(t))
@@ -366,16 +415,16 @@ class RedisStore(StoreBase):
     def clear(self) -> int:
         """Delete every key of this namespace on every shard; returns how many."""
 
-        def clear_shard(c: redis.Redis) -> Callable[[], int]:
+        def clear_shard(s: int, c: redis.Redis) -> Callable[[], int]:
             def run() -> int:
                 n = 0
-                for batch in _chunks(c.scan_iter(match=f"{self.namespace}:*", count=10_000), 10_000):
+                for batch in _chunks(c.scan_iter(match=self._match(s), count=10_000), 10_000):
                     n += c.unlink(*batch)
                 return n
 
             return run
 
-        return sum(self._on_shards({s: clear_shard(c) for s, c in enumerate(self._clients)}).values())
+        return sum(self._on_shards({s: clear_shard(s, c) for s, c in enumerate(self._clients)}).values())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -186,6 +186,10 @@ class Checkpointer:
                 if s in self.local and not self.network_only:
                     saves_before[s] = self.store.call(s, lambda c: self._fork(c))
                 else:
+                    same = [x for x in saves_before if self.store.endpoint(x) == self.store.endpoint(s)]
+                    if same and not isinstance(saves_before[same[0]], int):  # one fork per server (a cluster
+                        saves_before[s] = same[0]  # node serves several logical shards): its file is shared
+                        continue
                     snap = self.store.snapshot(s, path / f"shard{s}.rdb", self.snapshot_timeout_s)
                     snap.start()  # returns once the server forked
                     saves_before[s] = snap
@@ -234,11 +238,13 @@ class Checkpointer:
         try:
             files = {}
             for s, before in saves_before.items():  # every fork has written its file: from here on no shard is needed
-                if isinstance(before, int):
+                if isinstance(before, int) and s in self.local and not self.network_only:
                     self._wait_snapshot(self.local[s], before)
             for s, before in saves_before.items():
-                if isinstance(before, int):
+                if isinstance(before, int) and s in self.local and not self.network_only:
                     digest, n = copy_hashed(self.local[s].rdb_path, path / f"shard{s}.rdb")
+                elif isinstance(before, int):  # the same server's snapshot as shard ``before``
+                    digest, n = copy_hashed(path / f"shard{before}.rdb", path / f"shard{s}.rdb")
                 else:
                     digest, n = before.finish()
                 files[f"shard{s}.rdb"] = digest

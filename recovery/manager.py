@@ -458,7 +458,10 @@ class RecoveryManager:
         -> (failure record, the step its rows are as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
         failed_endpoint = self.store.endpoint(shard)
-        self.store.promote(shard)
+        if self.store.cluster is not None:
+            self._await_server(shard)  # the cluster promotes a replica itself: wait for the slot's new node
+        else:
+            self.store.promote(shard)
         at = self.store.applied_step(shard) or 0
         rec.update(promoted=self.store.endpoint(shard), failed_endpoint=failed_endpoint)
         rec["restored_from_step"], rec["restored_bytes"] = at, 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from embeddings.cluster import seed_urls
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the value."""
@@ -103,13 +105,18 @@ class EmbeddingConfig:
         _check(self.shards > 0, "shards", self.shards, "must be > 0")
         _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
-        if self.redis != "local":
+        if self.cluster:
+            try:
+                seed_urls(self.redis)
+            except (ValueError, KeyError) as e:
+                raise ConfigError(f"redis={self.redis!r}: {e}") from None
+        elif self.redis != "local":
             for url in self.urls:
                 _check(
                     url.startswith(("redis://", "rediss://")),
                     "redis",
                     url,
-                    "each URL must start with redis:// or rediss://",
+                    "each URL must start with redis://, rediss:// or (one URL for a cluster) redis+cluster://",
                 )
 
         if self.replicas:
@@ -123,7 +130,14 @@ class EmbeddingConfig:
         _check(not self.replica_wait or bool(self.replicas), "replica_wait", True, "needs --replicas")
 
     @property
+    def cluster(self) -> bool:
+        """The tier is a Redis Cluster (``redis+cluster://`` seed nodes; ``shards`` logical shards on it)."""
+        return self.redis.startswith(("redis+cluster://", "rediss+cluster://"))
+
+    @property
     def urls(self) -> list[str]:
+        if self.cluster:  # one URL per logical shard: the store pins each to a hash slot
+            return [self.redis] * self.shards
         return [] if self.redis == "local" else [u.strip() for u in self.redis.split(",") if u.strip()]
 
     @property
@@ -321,10 +335,10 @@ class RunConfig:
 
         if Strategy(rc.recovery).promotes:
             _check(
-                bool(self.embeddings.replicas),
+                bool(self.embeddings.replicas) or self.embeddings.cluster,
                 "recovery",
                 rc.recovery,
-                "replica recovery needs a replica per shard (--replicas local or URLs)",
+                "replica recovery needs a replica per shard (--replicas local or URLs) or a Redis Cluster",
             )
         if self.embeddings.embeddings == "local":
             _check(

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from embeddings import LocalShards
+from embeddings.cluster import seed_urls
 from embeddings.endpoints import check_endpoints
 from embeddings.launcher import free_port
 from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
@@ -55,7 +56,8 @@ def shard_urls(cfg: RunConfig):
         with LocalShards(cfg.embeddings.shards, replicas=cfg.embeddings.replicas == "local") as shards:
             yield shards.urls, shards.specs, shards.replica_urls
     else:
-        check_endpoints(cfg.embeddings.urls + cfg.embeddings.replica_urls, cfg.embeddings.timeout_s)
+        seeds = seed_urls(cfg.embeddings.redis) if cfg.embeddings.cluster else cfg.embeddings.urls
+        check_endpoints(seeds + cfg.embeddings.replica_urls, cfg.embeddings.timeout_s)
         yield cfg.embeddings.urls, [], cfg.embeddings.replica_urls
 
 

@@ -21,13 +21,20 @@ import redis
 from embeddings.launcher import free_port
 
 
+def _cluster_safe_port() -> int:
+    """A free port a cluster node can use (its bus port, +10000, must exist too)."""
+    while (port := free_port()) > 55_000:
+        pass
+    return port
+
+
 class Supervised:
     def __init__(self, n: int, folder: Path, delay_s: float = 0.3, extra: tuple[str, ...] = ()) -> None:
         self.folder = Path(folder)
         self.delay_s = delay_s
         self.extra = extra
         self.binary = shutil.which("redis-server")
-        self.ports = [free_port() for _ in range(n)]
+        self.ports = [_cluster_safe_port() for _ in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.held: set[int] = set()
         self.restarts = [0] * n
