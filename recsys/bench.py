@@ -9,9 +9,14 @@ by the reference run's wall time (CPR's definition); PLS; final AUC and logloss 
 against the reference; bytes written. Outputs ``results.csv``, ``results.md`` and
 ``overhead_vs_auc.png`` in ``--out``.
 
-``--scaling``: partial recovery of one shard against its size (up to 1 GB of rows), beside a full
-restore of all shards and the lower bound of starting a fresh ``redis-server`` on that shard's
-snapshot bytes.
+``replica`` runs with a local replica per shard (promoted on failure: nothing is loaded).
+
+``--scaling``: per shard size (up to 1 GB of rows): the snapshot's training pause and total time
+for a local shard (``BGSAVE`` and a file copy), for a shard known only by URL (a fork streamed
+over the replication protocol) and for a scan copy (its whole time is a pause); then one shard's
+recovery from the local file, over the protocol after its supervisor restarted it empty, by
+replica promotion, a full restore of all shards, and the lower bound of starting a fresh
+``redis-server`` on that shard's snapshot bytes.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ def _config(args, out: Path, strategy: str, injections: list[str]):
         },
         "recovery": {},
     }
+    if strategy == "replica":
+        d["embeddings"]["replicas"] = "local"
     if strategy != "none":
         d["recovery"] = {
             "recovery": strategy,
@@ -178,8 +185,35 @@ def bench_strategies(args) -> list[dict]:
     return rows
 
 
+def scan_copy(store, shard: int, path: Path) -> int:
+    """The scan-based alternative to a fork: SCAN the shard's keys, MGET them in chunks, write them.
+    Consistent only if nothing writes meanwhile: its time is the pause it would cost. -> bytes."""
+    c, n = store.client(shard), 0
+    with open(path, "wb") as f:
+        keys = []
+        for key in c.scan_iter(match=store.key_namespace(shard) + ":*", count=10_000):
+            keys.append(key)
+            if len(keys) == 10_000:
+                n += _copy_values(c, keys, f)
+                keys = []
+        n += _copy_values(c, keys, f) if keys else 0
+    return n
+
+
+def _copy_values(client, keys: list, f) -> int:
+    vals = [v for v in client.mget(keys) if v is not None]
+    f.write(b"".join(vals))
+    return sum(len(v) for v in vals)
+
+
 def bench_scaling(args) -> list[dict]:
-    """Partial recovery time of one shard against its size, beside full restore and the lower bound."""
+    """Per shard size: how a snapshot is taken (local BGSAVE and file copy, a fork streamed over the
+    replication protocol, a scan copy) and what a recovery of that shard costs (local file path,
+    remote path over the protocol, replica promotion, full restore, and the lower bound)."""
+    import shutil
+
+    import torch
+
     from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
     from embeddings.launcher import spawn_shard
     from recovery.checkpoint import Checkpointer
@@ -194,26 +228,35 @@ def bench_scaling(args) -> list[dict]:
         nbytes = parse_size(size)
         per_shard = max(1, nbytes // (4 * dim))
         tables = TableSet([TableSpec("t", per_shard * args.scaling_shards, dim)])
-        with LocalShards(args.scaling_shards) as sh:
+        with LocalShards(args.scaling_shards, replicas=True) as sh:
             ns = "scale"
-            store = RedisStore(sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=120.0)
+            store = RedisStore(sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=120.0, replica_urls=sh.replica_urls)
             chunk = 200_000
             total = per_shard * args.scaling_shards
             for lo in range(0, total, chunk):
                 ids = np.arange(lo, min(total, lo + chunk))
                 # random rows: a snapshot of constant rows would compress to nothing
                 store.write_rows("t", ids, rng.standard_normal((len(ids), dim), dtype=np.float32))
+            for s in range(args.scaling_shards):
+                store.wait_replicated(s, 600_000)
             ckpt_dir = out / f"scaling-{size}"
             ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store, run=ns)
-            ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": ns})
+            dense = {"x": torch.zeros(1)}
+            local = ckpt.save(1, dense, {"step": 1, "namespace": ns})
+            ckpt.wait()
+            ckpt.network_only = True
+            net = ckpt.save(2, dense, {"step": 2, "namespace": ns})
             ckpt.wait()
             shard_bytes = ckpt.candidates()[0].shard_file(0).stat().st_size
+            t0 = time.perf_counter()
+            scan_copy(store, 0, ckpt_dir / "scan.bin")
+            scan_s = time.perf_counter() - t0
 
-            def recover(strategy: str, store=store, ckpt=ckpt, sh=sh) -> float:
+            def recover(strategy: str, specs, before=lambda: None, store=store, ckpt=ckpt, sh=sh) -> float:
                 mgr = RecoveryManager(
                     strategy=strategy,
                     store=store,
-                    shards=sh.specs,
+                    shards=specs,
                     rank=0,
                     batch_size=1,
                     collective=Collective(),
@@ -221,17 +264,19 @@ def bench_scaling(args) -> list[dict]:
                 )
                 sh.kill(0)
                 t0 = time.time()
+                before()
                 mgr._detected[0] = t0
-                mgr.recover([0], 2, "bench")
+                mgr.recover([0], 3, "bench")
                 return mgr.failures[0]["recovery_s"]
 
-            partial_s = recover("partial")
-            full_s = recover("full")
+            partial_s = recover("partial", sh.specs)
+            # a server the project did not start: its supervisor restarts it empty, rows come over the protocol
+            remote_s = recover("partial", [], before=lambda sh=sh: sh.restart(0))
+            full_s = recover("full", sh.specs)
+            replica_s = recover("replica", sh.specs)
             # lower bound: the snapshot is already in place; start a server on it and wait until it serves
             spec = sh.spec(0)
             sh.kill(0)
-            import shutil
-
             shutil.copyfile(ckpt.candidates()[0].shard_file(0), spec.rdb_path)
             t0 = time.perf_counter()
             spawn_shard(spec, die_with_parent=False, timeout_s=600)
@@ -242,14 +287,24 @@ def bench_scaling(args) -> list[dict]:
             {
                 "rows_per_shard": per_shard,
                 "shard_snapshot_mb": round(shard_bytes / 1e6, 1),
-                "partial_recovery_s": round(partial_s, 3),
+                "snapshot_pause_local_s": round(local.pause_s, 4),
+                "snapshot_total_local_s": round(local.total_s, 3),
+                "snapshot_pause_network_s": round(net.pause_s, 4),
+                "snapshot_total_network_s": round(net.total_s, 3),
+                "scan_copy_pause_s": round(scan_s, 3),
+                "recovery_local_file_s": round(partial_s, 3),
+                "recovery_remote_s": round(remote_s, 3),
+                "recovery_replica_s": round(replica_s, 4),
                 "full_restore_s": round(full_s, 3),
                 "load_lower_bound_s": round(lower_s, 3),
                 "shards": args.scaling_shards,
             }
         )
     cols = list(rows[0])
-    md = f"Recovery time against shard size ({args.scaling_shards} shards, 64-dim float32 rows)\n\n{markdown(rows, cols)}\n"
+    md = (
+        f"Snapshots and recovery against shard size ({args.scaling_shards} shards with a replica each, "
+        f"64-dim float32 rows; pauses are what training waits for)\n\n{markdown(rows, cols)}\n"
+    )
     (out / "scaling.md").write_text(md)
     with open(out / "scaling.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)

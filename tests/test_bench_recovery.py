@@ -36,7 +36,7 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
             "--failure-rate",
             "0.05",
             "--strategies",
-            "partial,log",
+            "partial,log,replica",
             "--shards",
             "3",
             "--eval-samples",
@@ -51,7 +51,10 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["strategy"]: r for r in csv.DictReader(open(out / "results.csv"))}
-    assert list(rows) == ["none", "partial", "log"]
+    assert list(rows) == ["none", "partial", "log", "replica"]
+    # replica: promoted, nothing loaded, so its failure time is a fraction of partial's restore
+    assert int(rows["replica"]["failures"]) == int(rows["log"]["failures"])
+    assert float(rows["replica"]["failure_time_s"]) < float(rows["partial"]["failure_time_s"])
     assert int(rows["partial"]["failures"]) == int(rows["log"]["failures"]) >= 1
     assert float(rows["log"]["pls"]) == 0.0 and float(rows["log"]["auc_change"]) == 0.0  # exact
     assert float(rows["partial"]["pls"]) > 0 and int(rows["partial"]["lost_updates"]) > 0
@@ -59,3 +62,22 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
     assert float(rows["none"]["overhead_pct"]) == 0.0
     assert "| strategy |" in (out / "results.md").read_text() and "| strategy |" in proc.stdout
     assert (out / "overhead_vs_auc.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path):
+    out = tmp_path / "scale"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_recovery.py", "--scaling-only", "--scaling-sizes", "2MB", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = list(csv.DictReader(open(out / "scaling.csv")))
+    assert float(row["shard_snapshot_mb"]) >= 1.0
+    for col in ("snapshot_pause_network_s", "snapshot_total_network_s", "recovery_remote_s", "recovery_replica_s"):
+        assert float(row[col]) > 0, col
+    # the pause of a network snapshot is its fork, not its transfer
+    assert float(row["snapshot_pause_network_s"]) <= float(row["snapshot_total_network_s"])
+    assert float(row["recovery_replica_s"]) < float(row["recovery_remote_s"])

@@ -11,7 +11,7 @@ import pytest
 from data.synthetic import SyntheticConfig, write_tsv
 from embeddings import LocalShards
 from embeddings.launcher import free_port
-from tests.conftest import track
+from tests.conftest import track, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "5", "--rows-per-table", "500", "--batch-size", "64", "--embedding-dim", "8"]
@@ -123,15 +123,26 @@ def test_a_trainer_killed_once_too_often_ends_in_one_line(tmp_path):
     assert lines[1:] == ["error: trainer rank 0 died (SIGKILL) after 1 restart(s) of 1 (all used)"]
 
 
-@pytest.mark.parametrize("spec", ["shard:1@step=3", "stall:1@step=3:3"])
-def test_injection_reaches_a_shard_given_only_by_url_and_its_failure_is_named(tmp_path, spec):
-    """No process id at hand: the kill goes as SHUTDOWN NOSAVE, the stall as CLIENT PAUSE. Restoring
-    such a shard is not possible yet: the run ends in one line naming it."""
+def test_a_killed_shard_given_only_by_url_that_does_not_come_back_is_named(tmp_path):
+    """No process id at hand: the kill goes as SHUTDOWN NOSAVE. Nothing restarts that server here, so
+    after --shard-restart-timeout the run ends in one line naming shard, endpoint and the way back."""
     with LocalShards(2) as sh:
         track(sh)
         urls = ",".join(sh.urls)
-        proc = cli(tmp_path, "--redis", urls, "--timeout", "1", "--max-restarts", "0", "--inject", spec)
+        flags = ["--redis", urls, "--timeout", "1", "--max-restarts", "0", "--shard-restart-timeout", "1.5"]
+        proc = cli(tmp_path, *flags, "--inject", "shard:1@step=3")
         line = one_error_line(proc)
-        assert f"shard 1 at redis://127.0.0.1:{sh.ports[1]}" in line and "this run cannot restore it" in line
-        assert sh.is_alive(0)
-        assert sh.is_alive(1) == spec.startswith("stall")  # SHUTDOWN NOSAVE ended the server; a pause did not
+        assert f"shard 1 at redis://127.0.0.1:{sh.ports[1]}" in line and "did not come back within 1.5s" in line
+        assert f"--resume {tmp_path / 'run'}" in line
+        assert sh.is_alive(0) and not sh.is_alive(1)
+
+
+def test_a_stalled_shard_given_only_by_url_is_recovered_once_it_answers(tmp_path):
+    """CLIENT PAUSE for 3 s: the shard is failed after --timeout, answers again, and is restored."""
+    with LocalShards(2) as sh:
+        track(sh)
+        flags = ["--redis", ",".join(sh.urls), "--timeout", "1", "--max-restarts", "0"]
+        s = train_cli(tmp_path / "run", *SMALL, *flags, "--inject", "stall:1@step=3:3")
+        (f,) = s["failures"]
+        assert f["target"] == 1 and f["kind"] == "stall" and f["recovery_s"] > 0
+        assert s["steps_completed"] == 5 and sh.is_alive(1)
