@@ -122,6 +122,7 @@ class RecoveryManager:
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
+        self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
@@ -300,7 +301,8 @@ class RecoveryManager:
             self._finish_record(rec, phase)
             self._mark_in_recovery([])
             return rollback, dict.fromkeys(range(self.store.num_shards), rollback)
-        pending, restored_to = list(failed), {}
+        pending, restored_to, retries = list(failed), {}, 0
+        self._promoted = set()  # replicas promoted in this round (a retry waits for them)
         for _ in range(MAX_ATTEMPTS * self.store.num_shards):
             if not pending:
                 break
@@ -317,6 +319,8 @@ class RecoveryManager:
                 self._detected.setdefault(e.shard, time.time())
                 self._mark_in_recovery(sorted({*pending, s, e.shard}))
                 pending += [x for x in (e.shard, s) if x not in pending]
+                retries += 1
+                time.sleep(min(0.05 * retries, 1.0))  # a server still starting or loading: give it time
         if pending:
             raise RecoveryError(f"shards {pending} kept failing while being recovered at step {step}")
         self._mark_in_recovery([])
@@ -458,10 +462,11 @@ class RecoveryManager:
         -> (failure record, the step its rows are as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
         failed_endpoint = self.store.endpoint(shard)
-        if self.store.cluster is not None:
-            self._await_server(shard)  # the cluster promotes a replica itself: wait for the slot's new node
+        if self.store.cluster is not None or shard in self._promoted:
+            self._await_server(shard)  # the cluster promotes a replica itself; or promoted, not ready yet
         else:
             self.store.promote(shard)
+            self._promoted.add(shard)
         at = self.store.applied_step(shard) or 0
         rec.update(promoted=self.store.endpoint(shard), failed_endpoint=failed_endpoint)
         rec["restored_from_step"], rec["restored_bytes"] = at, 0
@@ -567,7 +572,8 @@ class RecoveryManager:
                 if not ok:
                     self.note(f"resume at step {step}: shard {s} unavailable")
                     continue
-                if strict and not recovered and (applied is None or applied < step) and step > 0:
+                empty = applied is None and step > 0  # a server that came back empty (--resume): any strategy
+                if not recovered and (empty or (strict and applied is not None and applied < step)):
                     self.note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
                     self._fail(s)
                     continue
