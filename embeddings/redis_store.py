@@ -8,7 +8,9 @@ MGET/MSET); shards are served in parallel from a thread pool (socket I/O release
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -27,6 +29,7 @@ from embeddings.errors import (
     ShardUnavailableError,
     StoreAuthError,
 )
+from embeddings.held import HeldRows
 from embeddings.optim import RowOptimizer
 from embeddings.shard_map import ShardMap
 from embeddings.store import IdsByTable, StoreBase
@@ -96,6 +99,7 @@ class RedisStore(StoreBase):
         kwargs.update(connection_kwargs or {})
         self._kwargs = kwargs
         self._tags: list[str] | None = None
+        self.held: HeldRows | None = None
         if self.cluster is not None:
             try:
                 ranges = owners(self.cluster, kwargs)
@@ -111,6 +115,7 @@ class RedisStore(StoreBase):
         self._clients = [redis.Redis(connection_pool=p) for p in self._pools]
         self._wires = [RowConnection(p, timeout_s) for p in self._pools]
         self._locks = [threading.Lock() for _ in urls]  # one bulk call per shard socket at a time
+        self._timed_out = [-1e18] * len(urls)  # when a row call last timed out (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
@@ -187,30 +192,42 @@ class RedisStore(StoreBase):
 
     # -- StoreBase hooks -----------------------------------------------------------------
     def _fetch(self, requests: IdsByTable):
-        # shard -> list of (table, positions into the request's ids)
+        out = {}
+        generation = self.held.generation if self.held is not None else 0
+        for t, ids in requests.items():
+            out[t] = (np.empty((len(ids), self.width(t)), np.float32), np.zeros(len(ids), bool))
+        # shard -> list of (table, positions into the request's ids); rows this trainer holds are not read
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, ids in requests.items():
-            for s, pos in enumerate(self.shard_map.split(t, ids)):
+            idx = None
+            got = self.held.lookup(t, ids) if self.held is not None else None
+            if got is not None and (len(got[0]) or len(got[2])):
+                out[t][0][got[0]] = got[1]
+                out[t][1][got[2]] = True  # never written: the lazy init fills it
+                rest = np.ones(len(ids), bool)
+                rest[got[0]] = False
+                rest[got[2]] = False
+                idx = np.flatnonzero(rest)
+            for s, pos in enumerate(self.shard_map.split(t, ids if idx is None else ids[idx])):
                 if len(pos):
-                    plan.setdefault(s, []).append((t, pos))
+                    plan.setdefault(s, []).append((t, pos if idx is None else idx[pos]))
 
         def pull_from(s: int, groups: list[tuple[int, np.ndarray]]):
             args = [(self.prefix(t, s), requests[t][pos], 4 * self.width(t)) for t, pos in groups]
 
             def run():
-                with self._locks[s]:
+                with self._bulk(s):
                     return self._wires[s].get_rows(args)
 
             return run
 
         replies = self._on_shards({s: pull_from(s, g) for s, g in plan.items()})
-        out = {}
-        for t, ids in requests.items():
-            out[t] = (np.empty((len(ids), self.width(t)), np.float32), np.zeros(len(ids), bool))
         for s, groups in plan.items():
             for (t, pos), (rows, missing) in zip(groups, replies[s]):
                 out[t][0][pos] = rows.view("<f4").reshape(len(pos), self.width(t))
                 out[t][1][pos] = missing
+                if self.held is not None and s in self.held.shards and missing.any():
+                    self.held.absent(t, requests[t][pos[missing]], generation)
         return out
 
     def _store(self, requests, step=None, undo=None):
@@ -230,12 +247,41 @@ class RedisStore(StoreBase):
                     extra.append([b"SET", self.meta_key("undo", s), blob])
 
             def run():
-                with self._locks[s]:
-                    return self._wires[s].set_rows(args, extra)
+                with self._bulk(s):
+                    n = self._wires[s].set_rows(args, extra)
+                if self.held is not None and s in self.held.shards:  # written: now held as written
+                    for t, pos in groups:
+                        self.held.put(t, requests[t][0][pos], requests[t][1][pos])
+                return n
 
             return run
 
         self._on_shards({s: push_to(s, g) for s, g in plan.items()})
+
+    @contextlib.contextmanager
+    def _bulk(self, shard: int):
+        """A row read or write on one shard. A call that queued for the shard while the call before it
+        timed out fails at once: a write behind a timed-out prefetch does not wait a second time
+        before the failure is seen."""
+        queued = time.monotonic()
+        with self._locks[shard]:
+            if self._timed_out[shard] >= queued:
+                raise redis.TimeoutError("the call before this one timed out")
+            try:
+                yield
+            except redis.TimeoutError:
+                self._timed_out[shard] = time.monotonic()
+                raise
+
+    def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
+        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
+        self.held = HeldRows(self.tables, [self.width(t) for t in range(len(self.tables.specs))], shards, budget_bytes)
+        return self.held
+
+    def _forget(self) -> None:
+        """A shard changed behind the writers' backs (restore, rollback, failover): held rows go."""
+        if self.held is not None:
+            self.held.clear()
 
     # -- per-shard operations (recovery) ----------------------------------------------------
     def client(self, shard: int) -> redis.Redis:
@@ -251,8 +297,10 @@ class RedisStore(StoreBase):
     def reconnect(self, shard: int) -> None:
         """Drop this shard's connections (its server was replaced); the next call opens new ones. On
         a cluster, the shard follows its slot to the node that serves it now (after a failover)."""
+        self._forget()
         with self._locks[shard]:
             self._wires[shard].close()
+            self._timed_out[shard] = -1e18
         self._pools[shard].disconnect()
         if self.cluster is not None:
             known = list(dict.fromkeys(u for u in self.urls if u != self.urls[shard])) + self.cluster
@@ -264,6 +312,7 @@ class RedisStore(StoreBase):
                 self._repoint(shard, url)
 
     def _repoint(self, shard: int, url: str) -> None:
+        self._forget()
         with self._locks[shard]:
             self._wires[shard].close()
             self._pools[shard].disconnect()
@@ -328,6 +377,7 @@ class RedisStore(StoreBase):
 
     def write_shard(self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None) -> int:
         """Write rows (table index, ids, rows [n, width]) onto one shard, with its applied-step marker."""
+        self._forget()
         args = [(self.prefix(t, shard), ids, rows) for t, ids, rows in groups]
         extra = [[b"SET", self.meta_key("applied", shard), b"%d" % step]] if step is not None else []
 
@@ -339,6 +389,7 @@ class RedisStore(StoreBase):
 
     def rollback(self, shard: int, to_step: int) -> int:
         """Undo the one step a shard applied after ``to_step`` (its undo record); returns rows restored."""
+        self._forget()
         applied = self.applied_step(shard)
         if applied is None or applied <= to_step:
             return 0
@@ -365,6 +416,7 @@ class RedisStore(StoreBase):
 
     def clear_shard(self, shard: int) -> int:
         """Delete every key of this namespace on one shard; returns how many."""
+        self._forget()
         c = self._clients[shard]
 
         def run() -> int:
@@ -414,6 +466,7 @@ class RedisStore(StoreBase):
     # -- maintenance ---------------------------------------------------------------------
     def clear(self) -> int:
         """Delete every key of this namespace on every shard; returns how many."""
+        self._forget()
 
         def clear_shard(s: int, c: redis.Redis) -> Callable[[], int]:
             def run() -> int:

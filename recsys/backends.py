@@ -65,6 +65,9 @@ class StoreBackend:
             timeout_s=cfg.embeddings.timeout_s,
             replica_urls=cfg.embeddings.replica_urls or None,
         )
+        if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
+            mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
+            self.store.hold_rows(mine, cfg.embeddings.held_rows_mb << 20)
         self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch else None
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)

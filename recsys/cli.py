@@ -56,6 +56,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     ),
     "--placement": ("embeddings", "placement", str, "row -> shard map: row (hashed per row) | table"),
     "--timeout": ("embeddings", "timeout_s", float, "seconds before a silent shard is failed"),
+    "--held-rows-mb": (
+        "embeddings",
+        "held_rows_mb",
+        int,
+        "MB of tables each trainer may hold in memory for the rows it writes (no re-read on update); 0: off",
+    ),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
     "--optimizer": ("optim", "optimizer", str, "sgd | adagrad (row-wise for embeddings)"),
     "--lr": ("optim", "lr", float, "learning rate"),

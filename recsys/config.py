@@ -97,6 +97,9 @@ class EmbeddingConfig:
     replicas: str = ""
     """A replica per shard (Redis replication), promoted by --recovery replica: ``local`` (with redis=local,
     start one here per shard) or comma-separated URLs, one per shard, in shard order."""
+    held_rows_mb: int = 2048
+    """Each trainer holds the rows it writes in memory (write-through), up to this many MB of tables:
+    updates and stages read them there instead of from Redis. 0: off."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
 
@@ -128,6 +131,7 @@ class EmbeddingConfig:
                 for url in self.replica_urls:
                     _check(url.startswith(("redis://", "rediss://")), "replicas", url, "must start with redis://")
         _check(not self.replica_wait or bool(self.replicas), "replica_wait", True, "needs --replicas")
+        _check(self.held_rows_mb >= 0, "held_rows_mb", self.held_rows_mb, "must be >= 0")
 
     @property
     def cluster(self) -> bool:
