@@ -1,7 +1,7 @@
 """Embedding backends behind one small interface, so the training loop has no branches.
 
 ``StoreBackend``: rows in the Redis tier (pull, prefetch, cross-trainer aggregation, one writer
-per shard). ``LocalBackend``: torchrec's in-process ``EmbeddingBagCollection`` (the baseline).
+per shard). ``LocalBackend``: torchrec's in-process fused engine (the baseline).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from embeddings import RedisStore
 from embeddings.prefetch import Prefetcher
 from recsys.config import RunConfig
-from recsys.model import local_embedding_optimizer, local_model, row_optimizer, store_model, table_set
+from recsys.model import local_model, row_optimizer, store_model, table_set
 from recsys.sparse import StepUpdate, aggregate
 
 DIGEST_BLOCK = 65536
@@ -145,10 +145,12 @@ class StoreBackend:
 
 
 class LocalBackend:
+    """torchrec's ``FusedEmbeddingBagCollection`` in this process: fbgemm's TBE kernels on the host,
+    the row optimizer fused into backward (nothing to apply after it)."""
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.model, self.ebc = local_model(cfg)
-        self.optimizer = local_embedding_optimizer(cfg, self.ebc)
 
     def prefetch(self, batch: Batch | None) -> None:
         pass
@@ -160,8 +162,7 @@ class LocalBackend:
         return None
 
     def apply_local(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        pass  # the fused engine updated its rows during backward
 
     def drain(self) -> None:
         pass
@@ -170,17 +171,22 @@ class LocalBackend:
     def evaluating(self) -> Iterator[None]:
         yield
 
+    def _tables(self) -> dict[str, torch.Tensor]:
+        sd = self.ebc.state_dict()
+        return {c.name: sd[f"embedding_bags.{c.name}.weight"] for c in self.ebc.embedding_bag_configs()}
+
     def table_blocks(self):
-        for name, bag in self.ebc.embedding_bags.items():
-            w = bag.weight.detach()
-            state = self.optimizer.state.get(bag.weight, {}).get("sum")
-            if self.cfg.optim.optimizer == "adagrad":
-                state = state if state is not None else torch.zeros((w.shape[0], 1))
-                w = torch.cat([w, state.reshape(-1, 1)], dim=1)
+        state = self.ebc.fused_optimizer().state_dict()["state"]
+        for name, w in self._tables().items():
+            w = w.detach()
+            if self.cfg.optim.optimizer == "adagrad":  # row-wise: one accumulator per row
+                acc = state.get(f"{name}.weight", {}).get(f"{name}.weight.momentum_1")
+                acc = acc if acc is not None else torch.zeros(w.shape[0])
+                w = torch.cat([w, acc.reshape(-1, 1)], dim=1)
             yield name, (w[lo : lo + DIGEST_BLOCK].numpy() for lo in range(0, w.shape[0], DIGEST_BLOCK))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {name: bag.weight.detach().clone() for name, bag in self.ebc.embedding_bags.items()}
+        return {name: w.detach().clone() for name, w in self._tables().items()}
 
     def stats(self) -> dict:
         return {}

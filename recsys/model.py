@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torchrec
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from data.criteo import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
 from embeddings import EmbeddingStore, TableSet, make_optimizer
@@ -52,16 +52,24 @@ def store_model(cfg: RunConfig, store: EmbeddingStore, row_source=None) -> tuple
     return build_dlrm(cfg, ebc), ebc
 
 
-def local_model(cfg: RunConfig) -> tuple[DLRM, EmbeddingBagCollection]:
-    """torchrec's in-process EmbeddingBagCollection, started from the store's lazy init."""
+def local_model(cfg: RunConfig) -> tuple[DLRM, FusedEmbeddingBagCollection]:
+    """torchrec's ``FusedEmbeddingBagCollection`` (fbgemm TBE on the host, SGD or row-wise Adagrad
+    fused into backward), started from the store's lazy init: the engine a torchrec user would pick."""
     configs = table_configs(cfg)
-    ebc = EmbeddingBagCollection(configs)
+    if cfg.optim.optimizer == "sgd":
+        kind, kwargs = torchrec.optim.SGD, {"lr": cfg.optim.lr}
+    else:
+        kind, kwargs = torchrec.optim.RowWiseAdagrad, {"lr": cfg.optim.lr, "eps": cfg.optim.eps}
+    ebc = FusedEmbeddingBagCollection(
+        tables=configs, optimizer_type=kind, optimizer_kwargs=kwargs, device=torch.device("cpu")
+    )
     tables = table_set(cfg)
+    state = ebc.state_dict()
     with torch.no_grad():
         for t, c in enumerate(configs):
             spec = tables.specs[t]
             rows = init_rows(cfg.train.seed, t, np.arange(c.num_embeddings), c.embedding_dim, spec.scale)
-            ebc.embedding_bags[c.name].weight.copy_(torch.from_numpy(rows))
+            state[f"embedding_bags.{c.name}.weight"].copy_(torch.from_numpy(rows))
     return build_dlrm(cfg, ebc), ebc
 
 
@@ -73,10 +81,3 @@ def dense_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     if cfg.optim.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.optim.lr)
     return torch.optim.Adagrad(params, lr=cfg.optim.lr, eps=cfg.optim.eps)
-
-
-def local_embedding_optimizer(cfg: RunConfig, ebc: EmbeddingBagCollection) -> torch.optim.Optimizer:
-    """The same row update as the store's optimizer, on torchrec's parameters."""
-    if cfg.optim.optimizer == "sgd":
-        return torch.optim.SGD(ebc.parameters(), lr=cfg.optim.lr)
-    return TorchrecRowWiseAdagrad(ebc.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)
