@@ -72,6 +72,12 @@ class HeldRows:
                 ids = ids[state[ids] == UNKNOWN]
                 state[ids] = ABSENT
 
+    def assume_absent(self, table: int, ids: np.ndarray) -> None:
+        """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""
+        if table in self._held:
+            with self._lock:
+                self._held[table][ids] = ABSENT
+
     def clear(self) -> None:
         with self._lock:
             self.generation += 1

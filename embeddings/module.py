@@ -49,6 +49,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.row_source = row_source if row_source is not None else store
         # per forward with grad: table name -> (unique ids [n] int64, leaf rows [n, dim])
         self._pending: list[dict[str, tuple[np.ndarray, torch.Tensor]]] = []
+        self._unique_cache: list[tuple[KeyedJaggedTensor, dict]] = []
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -56,20 +57,26 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def is_weighted(self) -> bool:
         return False
 
-    def unique_ids(self, features: KeyedJaggedTensor) -> dict[str, np.ndarray]:
-        """Per table: the sorted unique row ids that ``forward(features)`` will pull."""
-        jagged = features.to_dict()
-        return {
-            c.name: torch.unique(torch.cat([jagged[f].values() for f in c.feature_names])).numpy()
-            for c in self._configs
-        }
-
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        jagged = features.to_dict()
-        unique: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    def _unique(self, features: KeyedJaggedTensor, jagged) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per table: (sorted unique ids, inverse), computed once per batch (prefetch, stage and
+        forward of one batch share it; the two newest batches are kept)."""
+        for f, u in self._unique_cache:
+            if f is features:
+                return u
+        unique = {}
         for c in self._configs:
             values = torch.cat([jagged[f].values() for f in c.feature_names])
             unique[c.name] = torch.unique(values, return_inverse=True)
+        self._unique_cache = [(features, unique), *self._unique_cache[:1]]
+        return unique
+
+    def unique_ids(self, features: KeyedJaggedTensor) -> dict[str, np.ndarray]:
+        """Per table: the sorted unique row ids that ``forward(features)`` will pull."""
+        return {name: u.numpy() for name, (u, _) in self._unique(features, features.to_dict()).items()}
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        jagged = features.to_dict()
+        unique = self._unique(features, jagged)
         rows = self.row_source.pull_many({name: u.numpy() for name, (u, _) in unique.items()})
 
         track = torch.is_grad_enabled() and self.training

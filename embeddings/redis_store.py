@@ -278,6 +278,17 @@ class RedisStore(StoreBase):
         self.held = HeldRows(self.tables, [self.width(t) for t in range(len(self.tables.specs))], shards, budget_bytes)
         return self.held
 
+    def assume_fresh(self) -> None:
+        """A fresh run: the held shards that never applied a step hold none of its rows yet, so every
+        row of theirs starts as known absent (no first read from Redis)."""
+        if self.held is None:
+            return
+        fresh = [s for s in self.held.shards if self.applied_step(s) is None]
+        for t, spec in enumerate(self.tables.specs):
+            if self.held.holds(t) and fresh:
+                owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
+                self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
+
     def _forget(self) -> None:
         """A shard changed behind the writers' backs (restore, rollback, failover): held rows go."""
         if self.held is not None:

@@ -141,6 +141,9 @@ class StoreBase:
         for name, (ids, grads) in requests.items():
             t, arr = self._ids(name, ids)
             g = self._block(name, t, len(arr), grads, self.tables.specs[t].dim, "gradients")
+            if len(arr) > 1 and bool(np.all(arr[1:] > arr[:-1])):  # already sorted and unique (aggregated)
+                uniq[t], summed[t] = arr, torch.from_numpy(g)
+                continue
             u, inverse = np.unique(arr, return_inverse=True)
             if len(u) != len(arr):
                 acc = torch.zeros((len(u), g.shape[1]), dtype=torch.float32)

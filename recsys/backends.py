@@ -95,6 +95,10 @@ class StoreBackend:
             self.prefetcher.invalidate(update.updated)
         return update
 
+    def fresh_start(self) -> None:
+        """A new run: the rows of this trainer's shards are known absent until it writes them."""
+        self.store.assume_fresh()
+
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""
         self.stager.clear()
@@ -163,6 +167,9 @@ class LocalBackend:
 
     def apply_local(self) -> None:
         pass  # the fused engine updated its rows during backward
+
+    def fresh_start(self) -> None:
+        pass
 
     def drain(self) -> None:
         pass

@@ -98,6 +98,25 @@ def collective(world_size: int) -> Collective:
     return Collective(world_size, dist.barrier, max_flags, broadcast_int, sum_floats)
 
 
+class StepClock:
+    """Where a step's time goes: seconds per part (rows in, data, compute, rows out, waiting), summed."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._t = 0.0
+
+    def start(self, t: float) -> None:
+        self._t = t
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._t
+        self._t = now
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        return {k: round(1000 * v / max(1, steps), 2) for k, v in self.parts.items()}
+
+
 class Schedule:
     """When to checkpoint and take priority saves. ``auto``: after ``WARMUP`` steps the planner picks
     the interval from the measured step time and checkpoint pause (rank 0 decides, all follow)."""
@@ -253,6 +272,7 @@ class Trainer:
         self.last_eval: dict = {}
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
+        self.clock = StepClock()
 
     # -- run state ----------------------------------------------------------------------------
     def state_dict(self, step: int | None = None) -> dict:
@@ -318,6 +338,7 @@ class Trainer:
                 else:
                     out, nxt, loss = self.train_step(batch)
                     out = out if out.rolled_back else self.after_step(loss)
+                    self.clock.lap("after")  # saves, logging, evaluation
                     if not out.rolled_back:
                         self.show_progress(bar)
                         self.step += 1
@@ -345,19 +366,27 @@ class Trainer:
         -> (outcome, the next batch, the loss)."""
         step = self.step
         self._t_step = time.perf_counter()
+        self.clock.start(self._t_step)
         if self.injector is not None:
             self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0))
+        clock = self.clock
         out = self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
+        clock.lap("rows_in")
         if out.rolled_back:
             return out, None, None
         nxt = next(self.reader) if step < self.steps else None
+        clock.lap("data")
         loss = self.forward_backward(batch, nxt)
+        clock.lap("compute")
         out = self.commit_sparse(step)
+        clock.lap("rows_out")
         if out.rolled_back:
             return out, None, None
         self.opt.step()
+        clock.lap("compute")
         if self.world_size > 1:
             dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+        clock.lap("waiting")
         return out, nxt, loss
 
     def forward_backward(self, batch, nxt) -> torch.Tensor:
@@ -472,6 +501,7 @@ class Trainer:
             self.injector.start(fresh=resumed is None, barrier=self.coll.barrier)
         if resumed is None:
             self.recovery.fresh_start()
+            self.backend.fresh_start()
             if self.schedule.enabled:
                 out = self.checkpoint(0)
                 if out.rolled_back:  # pragma: no cover - a failure before any checkpoint exists
@@ -562,6 +592,7 @@ class Trainer:
             "priority_saves": len(self.priority_pauses),
             "priority_pause_s": round(sum(self.priority_pauses), 4),
             "priority_bytes": rec.priority.bytes_written if getattr(rec, "priority", None) else 0,
+            "step_ms": self.clock.per_step_ms(steps),
             "dense_saves": self.dense_saver.num_saves,
             "dense_save_seconds": round(self.dense_saver.seconds, 4),
             **self.backend.stats(),
