@@ -1,14 +1,19 @@
 #!/usr/bin/env python
-"""Training throughput of the Redis tier beside torchrec's engines, in one invocation.
+"""Training throughput of the Redis tier beside torchrec's fused engine, in one invocation.
 
-Same model, data and steps for every row: torchrec's ``FusedEmbeddingBagCollection`` (fbgemm TBE on
-the host, row-wise Adagrad fused into backward; a plain loop over pre-built batches: the strongest
-peer, and the reference of the ratios), the project's local baseline (torchrec's
-``EmbeddingBagCollection``, one process), and the Redis tier with 1, 2 and 4 local shards, with and
-without prefetch, each with ``--trainers`` trainer processes (default 1) and the run's defaults
-(trainer restarts on). samples/s counts training steps only (no setup, no evaluation).
+Same model, data and steps for every row. The reference of the ratios is torchrec's
+``FusedEmbeddingBagCollection`` (fbgemm TBE on the host, row-wise Adagrad fused into backward) in a
+plain loop over pre-built batches: the strongest peer. Then ``--embeddings local`` (the same fused
+engine inside the project's training loop, data read each step), and the Redis tier with each shard
+count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
+trainer restarts on). samples/s counts training steps only (no setup, no evaluation); the step-time
+columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows out, waiting, after).
 
-    python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1]
+``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
+shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
+says where it can no longer allocate its tables (needed beside available memory).
+
+    python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2]
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from recsys.config import DataConfig, EmbeddingConfig, ModelConfig, OptimConfig,
 from recsys.launch import run  # noqa: E402
 
 
-def config(args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int) -> RunConfig:
+def config(
+    args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int, rows=None, dim=None
+) -> RunConfig:
     return RunConfig(
-        data=DataConfig(rows_per_table=args.rows_per_table, eval_samples=4096),
-        model=ModelConfig(embedding_dim=args.embedding_dim),
+        data=DataConfig(rows_per_table=rows or args.rows_per_table, eval_samples=4096),
+        model=ModelConfig(embedding_dim=dim or args.embedding_dim),
         embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch),
         optim=OptimConfig(optimizer=args.optimizer),
         train=TrainConfig(
@@ -43,7 +50,7 @@ def config(args, out: Path, embeddings: str, shards: int, prefetch: bool, traine
     )
 
 
-def fused_samples_per_s(args) -> float:
+def fused_samples_per_s(args, rows=None, dim=None) -> float:
     """torchrec's fused engine under the same DLRM, data and dense optimizer; 10 warm-up steps."""
     import time
 
@@ -56,7 +63,7 @@ def fused_samples_per_s(args) -> float:
     from recsys.datasets import sources
     from recsys.model import build_dlrm, dense_optimizer, dense_params, table_configs
 
-    cfg = config(args, Path("unused"), "local", 1, False, 1)
+    cfg = config(args, Path("unused"), "local", 1, False, 1, rows, dim)
     kind = torchrec.optim.RowWiseAdagrad if cfg.optim.optimizer == "adagrad" else torchrec.optim.SGD
     kwargs = {"lr": cfg.optim.lr, "eps": cfg.optim.eps} if cfg.optim.optimizer == "adagrad" else {"lr": cfg.optim.lr}
     ebc = FusedEmbeddingBagCollection(
@@ -81,6 +88,32 @@ def fused_samples_per_s(args) -> float:
     return args.steps * args.batch_size / (time.perf_counter() - t0)
 
 
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def sweep(args, tmp: Path) -> list[tuple]:
+    """Rows per table against samples/s: the tier flat, the fused engine until it cannot allocate."""
+    out = []
+    for dim in dict.fromkeys([args.embedding_dim, args.sweep_dim]):
+        for rows in [int(x) for x in args.sweep.split(",")]:
+            tier = run(config(args, tmp / f"sweep-{rows}-{dim}", "redis", 2, False, 1, rows, dim))
+            need = 26 * rows * (dim + 1) * 4  # weights and row-wise state, fp32
+            free = mem_available()
+            if need > 0.8 * free:
+                fused = f"cannot allocate: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available"
+            else:
+                try:
+                    fused = f"{fused_samples_per_s(args, rows, dim):,.0f}"
+                except (RuntimeError, MemoryError) as e:
+                    fused = f"cannot allocate: {str(e).splitlines()[0][:60]}"
+            out.append((rows, dim, tier["throughput_samples_per_s"], fused, tier["step_ms"]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps per configuration")
@@ -89,36 +122,45 @@ def main() -> None:
     ap.add_argument("--embedding-dim", type=int, default=16, help="embedding dim")
     ap.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad"], help="optimizer")
     ap.add_argument("--shards", default="1,2,4", help="comma-separated shard counts")
-    ap.add_argument("--trainers", type=int, default=1, help="trainer processes for the Redis tier")
+    ap.add_argument("--trainers", default="1,2", help="comma-separated trainer counts for the Redis tier")
+    ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
+    ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")
     args = ap.parse_args()
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     shard_counts = [int(s) for s in args.shards.split(",")]
+    trainer_counts = [int(t) for t in args.trainers.split(",")]
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        rows.append(("torchrec fused EBC", 1, "-", fused_samples_per_s(args)))
+        rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}))
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
-        rows.append(("local torchrec EBC", 1, "-", base["throughput_samples_per_s"]))
-        for s in shard_counts:
-            for prefetch in (True, False):
-                out = Path(tmp) / f"redis-{s}-{prefetch}"
-                summary = run(config(args, out, "redis", s, prefetch, args.trainers))
-                rows.append(
-                    (
-                        f"redis x{args.trainers} trainer(s)",
-                        s,
-                        "on" if prefetch else "off",
-                        summary["throughput_samples_per_s"],
-                    )
-                )
-    ref = rows[0][3]
+        rows.append(("--embeddings local (fused)", 1, 1, "-", base["throughput_samples_per_s"], base["step_ms"]))
+        for w in trainer_counts:
+            for s in shard_counts:
+                for prefetch in (False, True) if (s, w) == (2, 1) else (False,):
+                    out = Path(tmp) / f"redis-{s}-{w}-{prefetch}"
+                    summary = run(config(args, out, "redis", s, prefetch, w))
+                    label = "on" if prefetch else "off"
+                    rows.append(("redis tier", s, w, label, summary["throughput_samples_per_s"], summary["step_ms"]))
+        swept = sweep(args, Path(tmp)) if args.sweep else []
+    ref = rows[0][4]
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
-        f"optimizer={args.optimizer}"
+        f"optimizer={args.optimizer}\n"
     )
-    print(f"{'embeddings':<24} {'shards':>6} {'prefetch':>8} {'samples/s':>11} {'x fused':>8}")
-    for name, s, p, tput in rows:
-        print(f"{name:<24} {s:>6} {p:>8} {tput:>11,.0f} {tput / ref:>7.2f}x")
+    parts = ["rows_in", "data", "compute", "rows_out", "waiting", "after"]
+    print("| engine | shards | trainers | prefetch | samples/s | x fused | " + " | ".join(parts) + " (ms/step) |")
+    print("|---" * (6 + len(parts)) + "|")
+    for name, s, w, p, tput, ms in rows:
+        cells = " | ".join(str(ms.get(k, "")) for k in parts)
+        print(f"| {name} | {s} | {w} | {p} | {tput:,.0f} | {tput / ref:.2f}x | {cells} |")
+    if swept:
+        print(
+            "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | fused engine samples/s | tier rows_in / rows_out ms |"
+        )
+        print("|---|---|---|---|---|")
+        for r, d, tier, fused, ms in swept:
+            print(f"| {r:,} | {d} | {tier:,.0f} | {fused} | {ms.get('rows_in')} / {ms.get('rows_out')} |")
 
 
 if __name__ == "__main__":
