@@ -100,6 +100,7 @@ class RedisStore(StoreBase):
         self._kwargs = kwargs
         self._tags: list[str] | None = None
         self.held: HeldRows | None = None
+        self._from_redis = 0  # > 0: reads skip held rows (evaluation, digest: what the tier holds)
         if self.cluster is not None:
             try:
                 ranges = owners(self.cluster, kwargs)
@@ -200,7 +201,7 @@ class RedisStore(StoreBase):
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, ids in requests.items():
             idx = None
-            got = self.held.lookup(t, ids) if self.held is not None else None
+            got = self.held.lookup(t, ids) if self.held is not None and not self._from_redis else None
             if got is not None and (len(got[0]) or len(got[2])):
                 out[t][0][got[0]] = got[1]
                 out[t][1][got[2]] = True  # never written: the lazy init fills it
@@ -288,6 +289,16 @@ class RedisStore(StoreBase):
             if self.held.holds(t) and fresh:
                 owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
                 self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
+
+    @contextlib.contextmanager
+    def from_redis(self):
+        """Reads inside go to the shards even for held rows: an evaluation or a digest checks what the
+        tier holds (and a shard that died meanwhile is seen there)."""
+        self._from_redis += 1
+        try:
+            yield
+        finally:
+            self._from_redis -= 1
 
     def _forget(self) -> None:
         """A shard changed behind the writers' backs (restore, rollback, failover): held rows go."""

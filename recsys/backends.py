@@ -107,22 +107,24 @@ class StoreBackend:
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Read straight from the store, leaving a pending prefetch untouched."""
+        """Read straight from the shards (not held rows), leaving a pending prefetch untouched."""
         self.ebc.row_source = self.store
         try:
-            yield
+            with self.store.from_redis():
+                yield
         finally:
             self.ebc.row_source = self.stager
 
     def table_blocks(self):
+        """Every table's rows as the shards hold them (held rows are not consulted)."""
         for spec in self.store.tables:
-            yield (
-                spec.name,
-                (
-                    self.store.read_rows(spec.name, np.arange(lo, min(lo + DIGEST_BLOCK, spec.num_rows)))
-                    for lo in range(0, spec.num_rows, DIGEST_BLOCK)
-                ),
-            )
+            yield spec.name, self._blocks(spec)
+
+    def _blocks(self, spec):
+        for lo in range(0, spec.num_rows, DIGEST_BLOCK):
+            with self.store.from_redis():
+                block = self.store.read_rows(spec.name, np.arange(lo, min(lo + DIGEST_BLOCK, spec.num_rows)))
+            yield block
 
     def weights(self) -> dict[str, torch.Tensor]:
         out = {}
