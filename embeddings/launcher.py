@@ -309,7 +309,7 @@ class LocalShards:
                 self._replicas.append(rep)
                 self._spawn(rep, new_port=True)
             for i in range(len(self._replicas)):
-                self._await_link(i)
+                self.await_replica(i)
         except BaseException:
             self.stop()
             raise
@@ -430,14 +430,18 @@ class LocalShards:
                 last = e
         raise last  # type: ignore[misc]
 
-    def _await_link(self, i: int) -> None:
-        """Until replica ``i`` has its primary's data and follows it (``master_link_status:up``)."""
-        client = redis.Redis.from_url(self.url(i, replica=True), socket_timeout=1.0, **self._tls_kwargs())
-        deadline = time.monotonic() + self.startup_timeout_s
+    def await_replica(self, i: int, timeout_s: float | None = None) -> None:
+        """Until replica ``i`` has its primary's data and follows it (link up, no sync in progress)."""
+        client = redis.Redis.from_url(self.url(i, replica=True), socket_timeout=30.0, **self._tls_kwargs())
+        timeout_s = timeout_s or self.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            while client.info("replication").get("master_link_status") != "up":
+            while True:
+                info = client.info("replication")
+                if info.get("master_link_status") == "up" and not int(info.get("master_sync_in_progress", 0)):
+                    return
                 if time.monotonic() > deadline:
-                    raise LauncherError(f"replica of shard {i} did not sync within {self.startup_timeout_s}s")
+                    raise LauncherError(f"replica of shard {i} did not sync within {timeout_s}s")
                 time.sleep(0.02)
         finally:
             client.close()

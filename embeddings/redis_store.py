@@ -439,15 +439,13 @@ class RedisStore(StoreBase):
     def clear_shard(self, shard: int) -> int:
         """Delete every key of this namespace on one shard; returns how many."""
         self._forget()
-        c = self._clients[shard]
+        return self._call(shard, lambda: self._unlink_keys(shard))
 
-        def run() -> int:
-            n = 0
-            for batch in _chunks(c.scan_iter(match=self._match(shard), count=10_000), 10_000):
-                n += c.unlink(*batch)
-            return n
-
-        return self._call(shard, run)
+    def _unlink_keys(self, shard: int) -> int:
+        c, n = self._clients[shard], 0
+        for batch in _chunks(c.scan_iter(match=self._match(shard), count=10_000), 10_000):
+            n += c.unlink(*batch)
+        return n
 
     def _match(self, shard: int) -> str:
         """SCAN pattern of a shard's keys (a cluster tag's braces are literal in a pattern)."""
@@ -490,16 +488,8 @@ class RedisStore(StoreBase):
         """Delete every key of this namespace on every shard; returns how many."""
         self._forget()
 
-        def clear_shard(s: int, c: redis.Redis) -> Callable[[], int]:
-            def run() -> int:
-                n = 0
-                for batch in _chunks(c.scan_iter(match=self._match(s), count=10_000), 10_000):
-                    n += c.unlink(*batch)
-                return n
-
-            return run
-
-        return sum(self._on_shards({s: clear_shard(s, c) for s, c in enumerate(self._clients)}).values())
+        work = {s: (lambda s=s: self._unlink_keys(s)) for s in range(self.num_shards)}
+        return sum(self._on_shards(work).values())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

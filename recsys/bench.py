@@ -275,7 +275,7 @@ def bench_scaling(args) -> list[dict]:
             # a server the project did not start: its supervisor restarts it empty, rows come over the protocol
             remote_s = recover("partial", [], before=lambda sh=sh: sh.restart(0))
             full_s = recover("full", sh.specs)
-            _await_replica(sh.replica_urls[0])  # the replica has resynced with its restored primary
+            sh.await_replica(0, timeout_s=600)  # the replica has resynced with its restored primary
             replica_s = recover("replica", sh.specs)
             # lower bound: the snapshot is already in place; start a server on it and wait until it serves
             spec = sh.spec(0)
@@ -315,19 +315,6 @@ def bench_scaling(args) -> list[dict]:
         w.writerows(rows)
     print(md)
     return rows
-
-
-def _await_replica(url: str, timeout_s: float = 600.0) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url, socket_timeout=30)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = client.info("replication")
-        if info.get("master_link_status") == "up" and not int(info.get("master_sync_in_progress", 0)):
-            break
-        time.sleep(0.05)
-    client.close()
 
 
 def parse_size(text: str) -> int:

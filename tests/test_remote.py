@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.conftest import _STARTED_PIDS, train_cli
 from tests.supervisor import Supervised
@@ -144,7 +145,7 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
         _STARTED_PIDS.update(prim.pids + [p for r in reps for p in r.pids])
         try:
             for r in reps:  # each replica has synced before the run
-                c = __import__("redis").Redis(port=r.ports[0])
+                c = redis.Redis(port=r.ports[0])
                 while c.info("replication").get("master_link_status") != "up":
                     time.sleep(0.02)
             out = tmp_path / "run"
@@ -180,8 +181,6 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
 @pytest.fixture
 def cluster(tmp_path):
     """A Redis Cluster of 3 primaries with a replica each, built with ``redis-cli --cluster create``."""
-    import redis
-
     args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000")
     with Supervised(6, tmp_path / "cluster", extra=args) as nodes:
         _STARTED_PIDS.update(nodes.pids)
