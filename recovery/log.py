@@ -22,6 +22,7 @@ import os
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +101,11 @@ class ShardLog:
         self._file = None
         self._last_fsync = time.monotonic()
         self.bytes_written = 0
-        self.seconds = 0.0  # spent appending and syncing, on the training path
+        self.seconds = 0.0  # on the training path: handing a step's records over, waiting for the last
+        self.background_seconds = 0.0  # encoding, writing and syncing, off the path
         self.num_cut_bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     def segments(self) -> list[Path]:
         return sorted(self.dir.glob("seg_*.log"))
@@ -120,19 +124,39 @@ class ShardLog:
         fsync_dir(self.dir)
 
     def append_step(self, step: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> int:
-        """Group commit of one step's updates (table, ids, new rows); returns bytes written."""
+        """Group commit of one step's updates (table, ids, new rows), written by a background thread
+        while training goes on; returns the bytes it will write. The writer calls ``wait`` before the
+        next step's rows reach the shard, and recovery before it reads the log, so a record is on
+        disk before anything depends on it (``fsync`` policy: as for a synchronous write)."""
         if self._file is None:
             raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
         t0 = time.perf_counter()
-        blob = b"".join(encode_record(step, t, ids, rows) for t, ids, rows in groups)
-        self._file.write(blob)
-        self._file.flush()
-        if self._fsync_ms is not None and (time.monotonic() - self._last_fsync) * 1000 >= self._fsync_ms:
-            os.fsync(self._file.fileno())
-            self._last_fsync = time.monotonic()
-        self.bytes_written += len(blob)
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
+        nbytes = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
+        self._pending = self._pool.submit(self._write, self._file, step, groups)
+        self.bytes_written += nbytes
         self.seconds += time.perf_counter() - t0
-        return len(blob)
+        return nbytes
+
+    def _write(self, file, step: int, groups) -> None:
+        t0 = time.perf_counter()
+        blob = b"".join(encode_record(step, t, ids, rows) for t, ids, rows in groups)
+        file.write(blob)
+        file.flush()
+        if self._fsync_ms is not None and (time.monotonic() - self._last_fsync) * 1000 >= self._fsync_ms:
+            os.fsync(file.fileno())
+            self._last_fsync = time.monotonic()
+        self.background_seconds += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """The records handed over so far are written (and synced per the policy)."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            pending, self._pending = self._pending, None
+            pending.result()
+            self.seconds += time.perf_counter() - t0
 
     def records(self, after_step: int, up_to_step: int | None = None) -> Iterator[LogRecord]:
         """Records with ``after_step < step <= up_to_step``, in log order, across segments."""
@@ -163,6 +187,10 @@ class ShardLog:
         return dropped
 
     def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self._file is not None:
             self._file.flush()
             if self._fsync_ms is not None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from embeddings import RedisStore, ShardDataError, ShardUnavailableError
 from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
+from recovery import incremental, priority
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError, ShardLostError
@@ -103,7 +104,8 @@ class RecoveryManager:
     failures: list[dict] = field(default_factory=list)
     lost: list[float] = field(default_factory=list)
     counter: UpdateCounter | None = None
-    priority: object | None = None  # PrioritySaver (rank 0, partial-mfu / partial-ssu)
+    priority: object | None = None  # PrioritySaver of this writer's shards (partial-mfu / partial-ssu)
+    flusher: object | None = None  # incremental.Flusher of this writer's shards (incremental)
     run_dir: Path | None = None  # where restart markers live
     log_dir: Path | None = None  # every shard's logs (rank 0 replays and trims them)
     restart_timeout_s: float = 60.0  # how long a remote shard's supervisor has to bring it back
@@ -129,8 +131,20 @@ class RecoveryManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for w in (self.priority, self.flusher):
+            if w is not None:
+                w.close()
         for log in self.logs.values():
             log.close()
+
+    def settle(self) -> None:
+        """Every trainer's background writes (logs, priority saves, flushes) are on disk: rank 0 reads
+        them next. All trainers call it together."""
+        for w in (self.priority, self.flusher, *self.logs.values()):
+            if w is not None:
+                w.wait()
+        if self.logs or self.log_dir is not None or self.strategy.priority_saves or self.strategy.flushes:
+            self.collective.barrier()
 
     def note(self, what: str) -> None:
         """One line of the run's recovery journal (``{run}/recovery.log``): what was done, when."""
@@ -187,6 +201,8 @@ class RecoveryManager:
             per_shard += np.bincount(self.store.shard_map.shard_of(t, ids), minlength=self.store.num_shards)
             if self.priority is not None:
                 self.priority.observe(t, ids)
+            if self.flusher is not None:
+                self.flusher.observe(t, ids)
         self.counter.add(per_shard)
         if step is not None and self.strategy.promotes:
             self._recent[step] = self.counter.total.copy()
@@ -196,16 +212,28 @@ class RecoveryManager:
         self.counter.mark(step)
         if self.priority is not None:
             self.priority.on_checkpoint(step)
+        if self.flusher is not None:
+            self.flusher.on_checkpoint(step)
         for log in self.logs.values():
             log.open_segment(step + 1)
+
+    def flush(self, step: int) -> int:
+        """incremental: this writer's rows dirtied since its last flush go to disk (off the path);
+        the update totals as of ``step`` are kept for the loss accounting of a restore to it."""
+        self.counter.mark(step)
+        return self.flusher.flush(step) if self.flusher is not None else 0
 
     def on_checkpoint_saved(self, ckpt: Checkpoint) -> None:
         """Rank 0, after a manifest: log segments that every kept checkpoint covers can go. (Not just
         those before the newest: if the newest turns out corrupt, log recovery falls back to an older
         checkpoint and must still replay exactly.)"""
-        if self.log_dir is None or self.checkpointer is None:
+        if self.checkpointer is None:
             return
         oldest = min(k.step for k in self.checkpointer.candidates())
+        if self.flusher is not None:
+            incremental.drop_before(self.flusher.dir, self.store.num_shards, oldest)
+        if self.log_dir is None:
+            return
         for s in range(self.store.num_shards):
             ShardLog(self.log_dir, s).drop_before(oldest)
 
@@ -224,6 +252,8 @@ class RecoveryManager:
     def apply(self, owned: dict[str, tuple[np.ndarray, object]], step: int, only=None) -> None:
         """Write this step's rows of the shards this trainer owns, each shard on its own (a failed
         shard does not stop the others), then group-commit them to the shards' logs."""
+        for log in self.logs.values():
+            log.wait()  # the previous step's records are written before this step's rows move
         per_shard: dict[int, dict] = {}
         for name, (ids, grads) in owned.items():
             t = self.store.tables.index(name)
@@ -254,6 +284,7 @@ class RecoveryManager:
 
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
         n = self.store.num_shards
+        self.settle()
         # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
         verdict = np.zeros(2 + 2 * n, dtype=np.int64)
         error: Exception | None = None
@@ -439,14 +470,18 @@ class RecoveryManager:
         else:
             saved = 0
             if self.priority is not None:  # partial-mfu / partial-ssu: overlay the newest priority save
-                nbytes, saved = self.priority.overlay(shard, base_step)
+                nbytes, saved = priority.overlay(self.priority.dir, self.store, shard, base_step)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
+            if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
+                nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step)
+                rec["restored_bytes"] += nbytes
+                rec["flushed_to_step"] = as_of
             completed = step - 1  # the interrupted step resumes on the restored shard
             # updates already counted as lost at an earlier failure of this shard are not lost again
-            since_step, since_totals = base_step, self.counter.at_step.get(base_step, np.zeros_like(self.counter.total))
+            since_step, since_totals = as_of, self.counter.at_step.get(as_of, np.zeros_like(self.counter.total))
             earlier = self._lost_since.get(shard)
-            if earlier is not None and earlier[0] > base_step:
+            if earlier is not None and earlier[0] > as_of:
                 since_step, since_totals = earlier[0], np.asarray(earlier[1], dtype=np.int64)
             since = self.counter.total - since_totals
             rec["lost_updates"] = max(int(since[shard]) - saved, 0)
@@ -669,6 +704,7 @@ class NoRecovery:
     logs: dict = {}
     checkpointer = None
     priority = None
+    flusher = None
     strategy = None
 
     def summary_failures(self) -> list[dict]:

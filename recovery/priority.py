@@ -1,75 +1,160 @@
 """CPR's priority saves: between full checkpoints, save each shard's most valuable rows more often.
 
-- ``MFUTracker`` (partial-mfu): exact access counters per row (memory grows with the rows);
-  the rows to save are each shard's most frequently updated.
+- ``MFUTracker`` (partial-mfu): each shard's most frequently updated rows, counted by a
+  space-saving sketch of a fixed number of rows per shard (bounded memory at any table size).
 - ``SSUTracker`` (partial-ssu): sub-sampled update tracking in bounded memory: each update is
   tracked with probability ``fraction`` (so a row updated k times is tracked with probability
   1 - (1 - fraction)^k: hot rows almost surely), and each shard keeps at most ``capacity`` tracked
   rows, the most sampled ones.
 
-``PrioritySaver`` writes the selected rows (weights and optimizer state) of every shard to
-``{dir}/shard{S}.bin`` at a step boundary (temp, fsync, rename; CRC32C checked on load). On a
-partial recovery the newest save taken after the restored checkpoint is overlaid on the shard;
-the updates those rows received between the checkpoint and the save are no longer lost.
-``RowCounts`` keeps per-row update counts since the last checkpoint to account for exactly that.
+``PrioritySaver`` (one per writer, for the shards it writes) copies the selected rows (weights and
+optimizer state) from the rows the writer holds at a step boundary; a background thread writes
+them to ``{dir}/shard{S}.bin`` (``recovery.rowfiles``: temp, fsync, rename, CRC32C checked on
+load), so training pauses for the copy alone. On a partial recovery rank 0 overlays the newest
+save taken after the restored checkpoint (``overlay``); the updates those rows received between
+the checkpoint and the save are no longer lost. ``RowCounts`` keeps per-row update counts since
+the last checkpoint (sparse) to account for exactly that; the count travels in the file.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
 from embeddings import rowkeys
-from embeddings.redis_store import RedisStore, decode_groups, encode_groups
-from recovery.errors import CorruptCheckpointError
+from embeddings.redis_store import RedisStore
+from recovery import rowfiles
+from recovery.rowfiles import ShardRowsSaver
 
 
 class RowCounts:
-    """Updates per row since the last checkpoint (accounting of what a priority save holds)."""
+    """Updates per row since the last checkpoint (accounting of what a priority save holds), kept
+    sparse: memory grows with the rows updated since the checkpoint, not with the tables."""
 
-    def __init__(self, num_rows: list[int]) -> None:
-        self.counts = [np.zeros(n, dtype=np.int32) for n in num_rows]
+    def __init__(self) -> None:
+        self.keys = np.empty(0, np.int64)  # sorted
+        self.counts = np.empty(0, np.int64)
+        self._pending: list[np.ndarray] = []
+        self._pending_n = 0
 
     def observe(self, t: int, ids: np.ndarray) -> None:
-        self.counts[t][ids] += 1  # ids are unique within a step
+        self._pending.append(rowkeys.pack(t, ids))
+        self._pending_n += len(ids)
+        if self._pending_n > max(1 << 16, len(self.keys)):
+            self._merge()
+
+    def _merge(self) -> None:
+        if not self._pending:
+            return
+        keys = np.concatenate([self.keys, *self._pending])
+        counts = np.concatenate([self.counts, np.ones(self._pending_n, np.int64)])
+        self._pending, self._pending_n = [], 0
+        self.keys, inv = np.unique(keys, return_inverse=True)
+        self.counts = np.bincount(inv, weights=counts, minlength=len(self.keys)).astype(np.int64)
 
     def reset(self) -> None:
-        for c in self.counts:
-            c[:] = 0
+        self.keys, self.counts = np.empty(0, np.int64), np.empty(0, np.int64)
+        self._pending, self._pending_n = [], 0
 
     def total(self, groups: list[tuple[int, np.ndarray]]) -> int:
-        return int(sum(self.counts[t][ids].sum() for t, ids in groups))
+        self._merge()
+        if not len(self.keys):
+            return 0
+        keys = np.concatenate([rowkeys.pack(t, ids) for t, ids in groups]) if groups else np.empty(0, np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
+        hit = self.keys[pos] == keys
+        return int(self.counts[pos[hit]].sum())
+
+
+class SpaceSaving:
+    """Heavy hitters of a key stream in bounded memory (space-saving, merged in batches).
+
+    Holds at most ``2 * capacity`` keys with an over-estimate of their counts. Keys arrive in
+    ``add`` (each +1) and are merged in batches; when more than ``2 * capacity`` keys are held, the
+    ``capacity`` largest counts stay and ``floor`` becomes the largest count dropped: a key that
+    arrives later starts at ``floor`` plus its count, as space-saving would count it. A key whose
+    true count exceeds ``floor`` is never dropped, so the top keys of a skewed stream stay.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys = np.empty(0, np.int64)  # sorted
+        self.counts = np.empty(0, np.int64)
+        self.floor = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_n = 0
+
+    def add(self, keys: np.ndarray) -> None:
+        self._pending.append(keys)
+        self._pending_n += len(keys)
+        if self._pending_n >= 4 * self.capacity:
+            self._merge()
+
+    def _merge(self) -> None:
+        if not self._pending:
+            return
+        new, cnt = np.unique(np.concatenate(self._pending), return_counts=True)
+        self._pending, self._pending_n = [], 0
+        pos = np.searchsorted(self.keys, new)
+        found = pos < len(self.keys)
+        found[found] = self.keys[pos[found]] == new[found]
+        self.counts[pos[found]] += cnt[found]
+        if not found.all():
+            keys = np.concatenate([self.keys, new[~found]])
+            counts = np.concatenate([self.counts, cnt[~found] + self.floor])
+            order = np.argsort(keys, kind="stable")
+            self.keys, self.counts = keys[order], counts[order]
+        if len(self.keys) > 2 * self.capacity:
+            keep = np.argpartition(-self.counts, self.capacity - 1)[: self.capacity]
+            dropped = np.ones(len(self.keys), bool)
+            dropped[keep] = False
+            self.floor = max(self.floor, int(self.counts[dropped].max()))
+            keep.sort()
+            self.keys, self.counts = self.keys[keep], self.counts[keep]
+
+    def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """-> (keys, estimated counts) of the (at most) ``k`` most counted keys."""
+        self._merge()
+        if len(self.keys) <= k:
+            return self.keys, self.counts
+        idx = np.argpartition(-self.counts, k - 1)[:k]
+        return self.keys[idx], self.counts[idx]
 
 
 class MFUTracker:
-    def __init__(self, store: RedisStore) -> None:
+    """Each shard's most frequently updated rows, by a space-saving sketch of ``capacity`` rows per
+    shard (memory bounded by the capacity, not by the tables' rows)."""
+
+    def __init__(self, store: RedisStore, capacity: int = 8192, shards: set[int] | None = None) -> None:
         self.store = store
-        self.counts = [np.zeros(t.num_rows, dtype=np.int64) for t in store.tables]
+        self.shards = set(range(store.num_shards)) if shards is None else set(shards)
+        self.sketch = {s: SpaceSaving(capacity) for s in self.shards}
 
     def observe(self, t: int, ids: np.ndarray) -> None:
-        self.counts[t][ids] += 1
+        owner = self.store.shard_map.shard_of(t, ids)
+        keys = rowkeys.pack(t, ids)
+        for s in self.shards:
+            mine = keys[owner == s]
+            if len(mine):
+                self.sketch[s].add(mine)
 
     def select(self, shard: int, budget: int) -> list[tuple[int, np.ndarray]]:
-        keys, counts = [], []
-        for t, c in enumerate(self.counts):
-            ids = np.flatnonzero(c)
-            ids = ids[self.store.shard_map.shard_of(t, ids) == shard]
-            keys.append(rowkeys.pack(t, ids))
-            counts.append(c[ids])
-        return _top(np.concatenate(keys), np.concatenate(counts), budget)
+        keys, counts = self.sketch[shard].top(budget)
+        return _top(keys, counts, budget)
 
 
 class SSUTracker:
-    def __init__(self, store: RedisStore, fraction: float, capacity: int, seed: int = 0) -> None:
+    def __init__(
+        self, store: RedisStore, fraction: float, capacity: int, seed: int = 0, shards: set[int] | None = None
+    ) -> None:
         self.store = store
         self.fraction = fraction
         self.capacity = capacity
         self.rng = np.random.default_rng([seed, 4242])
         n = store.num_shards
+        self.shards = set(range(n)) if shards is None else set(shards)
         self.keys = [np.empty(0, np.int64) for _ in range(n)]
         self.counts = [np.empty(0, np.int64) for _ in range(n)]
 
@@ -79,6 +164,8 @@ class SSUTracker:
             return
         owner = self.store.shard_map.shard_of(t, sampled)
         for s in np.unique(owner).tolist():
+            if s not in self.shards:
+                continue
             k = np.concatenate([self.keys[s], rowkeys.pack(t, sampled[owner == s])])
             c = np.concatenate([self.counts[s], np.ones(int((owner == s).sum()), np.int64)])
             uk, inv = np.unique(k, return_inverse=True)
@@ -101,21 +188,35 @@ def _top(keys: np.ndarray, counts: np.ndarray, budget: int) -> list[tuple[int, n
     return [(int(t), rows[tables == t]) for t in np.unique(tables).tolist()]
 
 
-class PrioritySaver:
-    """Rank 0's writer of priority saves, and their overlay on a restored shard."""
+class PrioritySaver(ShardRowsSaver):
+    """A writer's priority saves of the shards it writes, taken off the training path.
+
+    ``save`` copies each shard's selected rows (weights and optimizer state) from the rows this
+    trainer holds, which is all the training path waits for; a background thread writes
+    ``{dir}/shard{S}.bin`` (temp, fsync, rename). No barrier: the writer of a shard is its only
+    writer, so its rows at a step boundary are the shard's. ``half`` stores weights as float16.
+    """
 
     def __init__(
-        self, directory: str | os.PathLike, store: RedisStore, tracker, budget: int, counts: RowCounts
+        self,
+        directory: str | os.PathLike,
+        store: RedisStore,
+        tracker,
+        budget: int,
+        counts: RowCounts | None = None,
+        shards: set[int] | None = None,
+        half: bool = False,
     ) -> None:
-        self.dir = Path(directory)
+        super().__init__(directory, store, shards, "priority")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.store, self.tracker, self.budget, self.counts = store, tracker, budget, counts
-        self.saved: dict[int, tuple[int, int]] = {}  # shard -> (step, updates the saved rows held)
+        self.tracker, self.budget = tracker, budget
+        self.counts = counts if counts is not None else RowCounts()
+        self.half = half
         self.saved_rows: dict[int, list[tuple[int, np.ndarray]]] = {}  # shard -> [(table, ids)] of the newest save
-        self.bytes_written = 0
         self.num_saves = 0
 
     def observe(self, t: int, ids: np.ndarray) -> None:
+        ids = self.mine(t, ids)
         self.tracker.observe(t, ids)
         self.counts.observe(t, ids)
 
@@ -123,38 +224,35 @@ class PrioritySaver:
         self.counts.reset()
 
     def save(self, step: int) -> int:
-        """Save every shard's selected rows as of now (call at a step boundary); returns rows saved."""
+        """Copy this writer's shards' selected rows as of now (at a step boundary) and hand them to
+        the background writer; -> rows saved. Rows read here come from the held rows (a shard
+        restored since is read from Redis)."""
+        self.writer.wait()  # the previous save is on disk (normally long since)
         total = 0
-        for s in range(self.store.num_shards):
+        dims = [spec.dim for spec in self.store.tables.specs]
+        for s in sorted(self.shards):
             sel = self.tracker.select(s, self.budget)
             groups = [
                 (t, ids, self.store.read_rows(self.store.tables.specs[t].name, ids)) for t, ids in sel if len(ids)
             ]
-            blob = encode_groups(step, groups)
-            path = self.dir / f"shard{s}.bin"
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(struct.pack("<I", crc32c.crc32c(blob)) + blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            self.saved[s] = (step, self.counts.total([(t, ids) for t, ids, _ in groups]))
+            saved = self.counts.total([(t, ids) for t, ids, _ in groups])
+            self.writer.submit(self.dir / f"shard{s}.bin", step, saved, groups, dims, self.half)
             self.saved_rows[s] = [(t, ids) for t, ids, _ in groups]
-            self.bytes_written += len(blob) + 4
             total += sum(len(ids) for _, ids, _ in groups)
         self.num_saves += 1
         return total
 
-    def overlay(self, shard: int, after_step: int) -> tuple[int, int]:
-        """Write the shard's newest save if taken after ``after_step``; -> (bytes, updates it saved)."""
-        if shard not in self.saved or self.saved[shard][0] <= after_step:
-            return 0, 0
-        path = self.dir / f"shard{shard}.bin"
-        data = path.read_bytes()
-        (crc,) = struct.unpack_from("<I", data)
-        if crc32c.crc32c(data[4:]) != crc:
-            raise CorruptCheckpointError(f"priority save {path}: CRC32C mismatch; not loaded")
-        _, groups = decode_groups(data[4:])
-        if groups:
-            self.store.write_shard(shard, groups, step=None)
-        return len(data), self.saved[shard][1]
+
+def overlay(directory: Path, store: RedisStore, shard: int, after_step: int) -> tuple[int, int]:
+    """Write the shard's newest priority save if taken after ``after_step`` (by any trainer);
+    -> (bytes, updates it saved)."""
+    path = Path(directory) / f"shard{shard}.bin"
+    if not path.exists():
+        return 0, 0
+    data = path.read_bytes()
+    f = rowfiles.decode(data, f"priority save {path}")
+    if f.step <= after_step:
+        return 0, 0
+    if f.groups:
+        store.write_shard(shard, f.groups, step=None)
+    return len(data), f.updates

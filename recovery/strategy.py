@@ -14,6 +14,8 @@ class Strategy(StrEnum):
     """partial, plus priority saves of each shard's most frequently updated rows."""
     PARTIAL_SSU = "partial-ssu"
     """partial, plus priority saves of sub-sampled updated rows (bounded memory)."""
+    INCREMENTAL = "incremental"
+    """partial, plus incremental flushes (each dirty row once per flush): only updates since the last flush are lost."""
     LOG = "log"
     """partial, then the shard's update log is replayed: nothing lost."""
     REPLICA = "replica"
@@ -33,6 +35,10 @@ class Strategy(StrEnum):
     @property
     def priority_saves(self) -> bool:
         return self in (Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU)
+
+    @property
+    def flushes(self) -> bool:
+        return self is Strategy.INCREMENTAL
 
     @property
     def replays_log(self) -> bool:

@@ -76,7 +76,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "recovery",
         "recovery",
         str,
-        "shard failure strategy: partial (CPR) | partial-mfu | partial-ssu | log | full | replica",
+        "shard failure strategy: partial (CPR) | partial-mfu | partial-ssu | incremental | log | full | replica",
     ),
     "--checkpoint-every": (
         "recovery",
@@ -104,6 +104,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     ),
     "--priority-budget": ("recovery", "priority_budget", int, "partial-mfu/ssu: rows per shard per priority save"),
     "--ssu-fraction": ("recovery", "ssu_fraction", float, "partial-ssu: fraction of updated rows tracked"),
+    "--mfu-capacity": ("recovery", "mfu_capacity", int, "partial-mfu: rows counted per shard by the sketch"),
+    "--flush-every": (
+        "recovery",
+        "flush_every",
+        int,
+        "incremental: write the rows dirtied since the last flush every N steps (0: a tenth of the checkpoint interval)",
+    ),
     "--checkpoint-dir": ("recovery", "checkpoint_dir", str, "checkpoint folder (default OUT/checkpoints)"),
     "--keep-checkpoints": ("recovery", "keep_checkpoints", int, "checkpoints kept"),
     "--log-dir": ("recovery", "log_dir", str, "per-shard update logs (default OUT/logs with --recovery log)"),
@@ -145,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-wait",
         action="store_true",
         help="with --replicas: each step's writes wait until the replica has them (WAIT 1): a failover loses nothing",
+    )
+    tr.add_argument(
+        "--priority-half",
+        action="store_true",
+        help="partial-mfu/ssu and incremental: saved weights as float16 (optimizer state stays float32)",
     )
     tr.add_argument(
         "--resume",
@@ -191,6 +203,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["train"]["save_model"] = True
     if args.replica_wait:
         sections["embeddings"]["replica_wait"] = True
+    if args.priority_half:
+        sections["recovery"]["priority_half"] = True
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
     if under_torchrun:
         # the launcher sets the world; batch divisibility is checked against it

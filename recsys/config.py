@@ -224,6 +224,12 @@ class RecoveryConfig:
     """partial-ssu: fraction of updated rows tracked (sampled by a hash of the row)."""
     ssu_capacity: int = 8192
     """partial-ssu: rows tracked per shard (bounded memory)."""
+    mfu_capacity: int = 8192
+    """partial-mfu: rows counted per shard by the space-saving sketch (bounded memory)."""
+    priority_half: bool = False
+    """partial-mfu/ssu and incremental: saved weights as float16 (half the bytes; optimizer state stays float32)."""
+    flush_every: int = 0
+    """incremental: flush the rows dirtied since the last flush every N steps (0: a tenth of the checkpoint interval)."""
     checkpoint_dir: str = ""
     """Where checkpoints go (default: OUT/checkpoints)."""
     keep_checkpoints: int = 2
@@ -272,8 +278,14 @@ class RecoveryConfig:
         _check(self.priority_budget > 0, "priority_budget", self.priority_budget, "must be > 0")
         _check(0 < self.ssu_fraction <= 1, "ssu_fraction", self.ssu_fraction, "must be in (0, 1]")
         _check(self.ssu_capacity > 0, "ssu_capacity", self.ssu_capacity, "must be > 0")
+        _check(self.mfu_capacity > 0, "mfu_capacity", self.mfu_capacity, "must be > 0")
+        _check(self.flush_every >= 0, "flush_every", self.flush_every, "must be >= 0")
         if strategy.priority_saves:
             _check(bool(self.checkpoint_every), "recovery", self.recovery, "priority saves need --checkpoint-every")
+        if strategy.flushes:
+            _check(
+                bool(self.checkpoint_every), "recovery", self.recovery, "incremental flushes need --checkpoint-every"
+            )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         _check(self.shard_restart_timeout > 0, "shard_restart_timeout", self.shard_restart_timeout, "must be > 0")

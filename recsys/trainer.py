@@ -37,11 +37,12 @@ from embeddings.launcher import ShardSpec
 from recovery.accounting import pls
 from recovery.checkpoint import Checkpointer
 from recovery.dense import DenseSaver, NoDenseSaver
+from recovery.incremental import Flusher
 from recovery.inject import Injector
 from recovery.log import ShardLog
 from recovery.manager import CONTINUE, Collective, NoRecovery, Outcome, RecoveryManager
 from recovery.planner import parse_mtbf, plan_interval
-from recovery.priority import MFUTracker, PrioritySaver, RowCounts, SSUTracker
+from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
 from recovery.strategy import Strategy
 from recsys.backends import LocalBackend, StoreBackend
 from recsys.config import RunConfig
@@ -129,6 +130,7 @@ class Schedule:
         self.auto = rc.checkpoint_every == "auto"
         self.every = 0 if self.auto else int(rc.checkpoint_every)
         self.priority_on = Strategy(rc.recovery).priority_saves
+        self.flush_on = Strategy(rc.recovery).flushes
         self.plan: dict | None = None
         self._step_times: list[float] = []
         self.checkpoint_pause_s = 0.0
@@ -140,6 +142,10 @@ class Schedule:
     @property
     def priority_every(self) -> int:
         return self.rc.priority_every or max(1, self.every // 4)
+
+    @property
+    def flush_every(self) -> int:
+        return self.rc.flush_every or max(1, self.every // 10)
 
     def observe(self, step: int, seconds: float) -> None:
         if not self.auto or self.every:
@@ -173,6 +179,9 @@ class Schedule:
             self.priority_on and bool(self.every) and step % self.priority_every == 0 and not self.checkpoint_due(step)
         )
 
+    def flush_due(self, step: int) -> bool:
+        return self.flush_on and bool(self.every) and step % self.flush_every == 0 and not self.checkpoint_due(step)
+
     def state(self) -> dict:
         return {"every": self.every}
 
@@ -200,17 +209,27 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
             cfg.checkpoint_dir, rc.keep_checkpoints, local, store, rank, coll.barrier, run=store.namespace
         )
         ckpt.on_fork = lambda shard: injector.during("checkpoint")
-    priority = None
-    if strategy.priority_saves and rank == 0:
+    priority = flusher = None
+    mine = {s for s in range(store.num_shards) if s % world == rank}  # the shards this trainer writes
+    if strategy.priority_saves:
         tracker = (
-            MFUTracker(store)
+            MFUTracker(store, rc.mfu_capacity, mine)
             if strategy is Strategy.PARTIAL_MFU
-            else SSUTracker(store, rc.ssu_fraction, rc.ssu_capacity, cfg.train.seed)
+            else SSUTracker(store, rc.ssu_fraction, rc.ssu_capacity, cfg.train.seed, mine)
         )
-        counts = RowCounts([t.num_rows for t in store.tables])
-        priority = PrioritySaver(Path(cfg.checkpoint_dir) / "priority", store, tracker, rc.priority_budget, counts)
+        priority = PrioritySaver(
+            Path(cfg.checkpoint_dir) / "priority",
+            store,
+            tracker,
+            rc.priority_budget,
+            shards=mine,
+            half=rc.priority_half,
+        )
+    if strategy.flushes:
+        flusher = Flusher(Path(cfg.checkpoint_dir) / "incremental", store, mine, half=rc.priority_half)
     manager = RecoveryManager(
         priority=priority,
+        flusher=flusher,
         strategy=strategy,
         store=store,
         shards=specs,
@@ -269,6 +288,8 @@ class Trainer:
         self.out: RunOutputs | NullOutputs = NullOutputs()
         self.step = 1  # the step about to run
         self.priority_pauses: list[float] = []
+        self.flush_pauses: list[float] = []
+        self._first_step = 1
         self.last_eval: dict = {}
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
@@ -329,6 +350,7 @@ class Trainer:
                 dynamic_ncols=True,
             )
             self.t0 = time.perf_counter()
+            self._first_step = self.step
             batch = next(self.reader)
             while True:
                 if self.step > self.steps:
@@ -424,7 +446,9 @@ class Trainer:
         if self.schedule.checkpoint_due(step):
             out = self.checkpoint(step)
         elif self.schedule.priority_due(step):
-            out = self.priority_save(step)
+            self.priority_save(step)
+        elif self.schedule.flush_due(step):
+            self.flush(step)
         if out.rolled_back:
             return out
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
@@ -461,19 +485,38 @@ class Trainer:
         self.out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
         return out
 
-    def priority_save(self, step: int) -> Outcome:
-        """partial-mfu/ssu: rank 0 saves each shard's priority rows while the others wait (consistent rows)."""
+    def priority_save(self, step: int) -> None:
+        """partial-mfu/ssu: each writer copies its shards' priority rows (no barrier: it is their only
+        writer); a background thread writes them. A shard read that fails is seen at the next commit."""
+        self._row_save(step, "priority", self.recovery.priority.save, self.priority_pauses)
+
+    def flush(self, step: int) -> None:
+        """incremental: each writer copies its shards' rows dirtied since its last flush; a background
+        thread writes them."""
+        self._row_save(step, "flush", self.recovery.flush, self.flush_pauses)
+
+    def _row_save(self, step: int, what: str, save, pauses: list[float]) -> None:
+        held = getattr(self.backend.store, "held", None)
+        hits = held.hits if held is not None else 0
         t0 = time.perf_counter()
-        rows = [0]
+        _, rows = self.recovery.guard(lambda: save(step))
+        pauses.append(time.perf_counter() - t0)
+        rows = rows or 0
+        self.out.log(
+            {
+                "step": step,
+                f"{what}_rows": rows,
+                # rows not held (a shard restored since its writer last wrote them) are read from Redis
+                f"{what}_rows_from_redis": rows - (held.hits - hits if held is not None else 0),
+                f"{what}_pause_s": round(pauses[-1], 5),
+                "step_s": round(self._step_s(), 5),
+            }
+        )
 
-        def save(only) -> None:
-            if self.recovery.priority is not None:
-                rows[0] = self.recovery.priority.save(step)
-
-        out = self.recovery.run_phase(step, "priority", save)
-        self.priority_pauses.append(time.perf_counter() - t0)
-        self.out.log({"step": step, "priority_rows": rows[0], "priority_pause_s": round(self.priority_pauses[-1], 4)})
-        return out
+    def _step_s(self) -> float:
+        """Mean seconds per step so far (the scale a pause is judged against)."""
+        done = max(1, self.step - self._first_step + 1)
+        return (time.perf_counter() - self.t0) / done
 
     def evaluate(self, step: int) -> tuple[Outcome, dict]:
         """Rank 0 evaluates (reading the tier) under the protocol; the others wait at its commit point."""
@@ -508,6 +551,8 @@ class Trainer:
                     raise RuntimeError("a shard failed before the first checkpoint was taken")
                 self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
             return
+        if self.recovery.flusher is not None:
+            self.recovery.flusher.suspend()  # rows dirtied before the restart are unknown
         out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size)
         if out.rolled_back:
             self.roll_back(out.to_step)
@@ -527,6 +572,19 @@ class Trainer:
             self.checkpointer.wait()
         # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's
         logs = self.recovery.logs.values()
+        for w in (*logs, self.recovery.priority, self.recovery.flusher):
+            if w is not None:
+                w.wait()
+        rec = self.recovery
+        self._saved_bytes = self.coll.sum_floats(
+            np.array(
+                [
+                    rec.priority.bytes_written if rec.priority is not None else 0,
+                    rec.flusher.bytes_written if rec.flusher is not None else 0,
+                ],
+                dtype=np.float64,
+            )
+        )
         log_bytes = self.coll.sum_floats(np.array([sum(x.bytes_written for x in logs)], dtype=np.float64))[0]
         log_us = self.coll.max_flags(np.array([int(1e6 * sum(x.seconds for x in logs))], dtype=np.int64))[0]
         log_totals = np.array([log_bytes, log_us / 1e6])
@@ -591,7 +649,10 @@ class Trainer:
             "checkpoint_plan": self.schedule.plan,
             "priority_saves": len(self.priority_pauses),
             "priority_pause_s": round(sum(self.priority_pauses), 4),
-            "priority_bytes": rec.priority.bytes_written if getattr(rec, "priority", None) else 0,
+            "priority_bytes": int(self._saved_bytes[0]),
+            "flushes": len(self.flush_pauses),
+            "flush_pause_s": round(sum(self.flush_pauses), 4),
+            "flush_bytes": int(self._saved_bytes[1]),
             "step_ms": self.clock.per_step_ms(steps),
             "dense_saves": self.dense_saver.num_saves,
             "dense_save_seconds": round(self.dense_saver.seconds, 4),

@@ -186,3 +186,59 @@ def test_repeated_partial_failures_of_one_shard_count_each_loss_once(tmp_path):
     everything = sum(rows(s, 20, 24) for s in range(3))
     assert first["lost_samples"] == pytest.approx(4 * 256 * first["lost_updates"] / everything, abs=1e-3)
     assert s["pls"] == pytest.approx((first["lost_samples"] + second["lost_samples"]) / (40 * 256), rel=1e-6)
+
+
+def test_incremental_recovery_restores_to_the_last_flush_and_loses_only_what_came_after(tmp_path):
+    # 2 trainers: each flushes the shards it writes; logs are written (not replayed) to count
+    s = train(
+        tmp_path,
+        "--steps",
+        "35",
+        "--recovery",
+        "incremental",
+        "--checkpoint-every",
+        "20",
+        "--flush-every",
+        "5",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--inject",
+        "shard:1@step=28",
+    )
+    (f,) = s["failures"]
+    assert f["strategy"] == "incremental" and f["restored_from_step"] == 20 and f["flushed_to_step"] == 25
+    from recovery.log import ShardLog
+
+    # lost: shard 1's updates of steps 26-27 only (the flush holds those of 21-25)
+    actual = sum(len(r.ids) for r in ShardLog(tmp_path / "logs", 1).records(after_step=25, up_to_step=27))
+    assert f["lost_updates"] == actual > 0
+    assert s["flushes"] == 6 and s["flush_bytes"] > 0  # steps 5, 10, 15, 25, 30, 35 (20 is a checkpoint)
+    # a flush writes each dirty row once: fewer bytes than the log of the same steps
+    assert s["flush_bytes"] < s["log_bytes"]
+
+
+def test_priority_saves_pause_only_for_the_copy(tmp_path):
+    s = train(
+        tmp_path,
+        "--recovery",
+        "partial-mfu",
+        "--checkpoint-every",
+        "20",
+        "--priority-every",
+        "4",
+        "--priority-budget",
+        "500",
+        "--inject",
+        "shard:0@step=27",
+    )
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if "priority_pause_s" in r]
+    assert len(saves) == s["priority_saves"] >= 8 and all(r["priority_rows"] > 0 for r in saves)
+    # the bound: a save of held rows pauses training for under a quarter of a mean step (no barrier,
+    # no file I/O). After the restore the writers forget what they held: saves read some rows from Redis
+    held = [r for r in saves if r["step"] < 27]
+    assert len(held) == 5 and all(r["priority_rows_from_redis"] == 0 for r in held)  # 4, 8, 12, 16, 24
+    assert all(r["priority_pause_s"] < 0.25 * r["step_s"] for r in held), saves
+    assert any(r["priority_rows_from_redis"] > 0 for r in saves if r["step"] > 27)
+    (f,) = s["failures"]
+    assert f["saved_updates"] > 0 and s["priority_bytes"] > 0

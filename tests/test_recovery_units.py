@@ -93,7 +93,7 @@ def rig(tmp_path, namespace):
         store.close()
 
 
-def make_manager(strategy, store, sh, ckpt, logs):
+def make_manager(strategy, store, sh, ckpt, logs, **more):
     return RecoveryManager(
         strategy=strategy,
         store=store,
@@ -103,6 +103,7 @@ def make_manager(strategy, store, sh, ckpt, logs):
         collective=Collective(),
         checkpointer=ckpt,
         logs=logs,
+        **more,
     )
 
 
@@ -229,16 +230,14 @@ def test_unfinished_or_foreign_checkpoints_do_not_count(rig, namespace, tmp_path
 
 def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
     """Steps 1-3, checkpoint, steps 4-7, priority save (mfu/ssu), steps 8-9, shard 1 killed, recovered."""
-    from recovery.priority import MFUTracker, PrioritySaver, RowCounts, SSUTracker
+    from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
     ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store, run=namespace)
     saver = None
     if strategy != "partial":
         tracker = MFUTracker(store) if strategy == "partial-mfu" else SSUTracker(store, 0.3, 500, seed)
-        saver = PrioritySaver(
-            tmp_path / f"prio-{namespace}", store, tracker, 60, RowCounts([t.num_rows for t in TABLES])
-        )
+        saver = PrioritySaver(tmp_path / f"prio-{namespace}", store, tracker, 60)
     mgr = RecoveryManager(
         strategy=strategy,
         store=store,
@@ -318,3 +317,62 @@ def test_trainer_and_node_failures_without_restarts_are_refused_by_name():
         with pytest.raises(ConfigError, match=rf"inject={spec!r}: a trainer failure needs --max-restarts >= 1"):
             RecoveryConfig(inject=[spec], max_restarts=0)
     assert RecoveryConfig(inject=["node:0@t=3"]).max_restarts > 0  # restarts are on by default
+
+
+def test_mfu_sketch_finds_the_true_top_rows_of_a_zipf_stream():
+    from recovery.priority import SpaceSaving
+
+    rng = np.random.default_rng(11)
+    sketch = SpaceSaving(capacity=500)
+    true = np.zeros(200_000, np.int64)
+    for _ in range(300):  # steps: each updates a row at most once (unique ids), like a trainer's step
+        ids = np.unique(np.minimum(rng.zipf(1.2, 2000) - 1, len(true) - 1))
+        np.add.at(true, ids, 1)
+        sketch.add(ids)
+    assert len(sketch.keys) <= 2 * 500  # bounded memory, whatever the table's rows
+    top_true = set(np.argsort(-true, kind="stable")[:100].tolist())
+    keys, counts = sketch.top(100)
+    assert len(set(keys.tolist()) & top_true) >= 95
+    # counts over-estimate by at most the floor
+    assert np.all(counts >= true[keys]) and np.all(counts - true[keys] <= sketch.floor)
+
+
+def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_last_flush(rig, namespace, tmp_path):
+    from recovery.incremental import Flusher
+
+    sh, store, ckpt, logs = rig
+    store.hold_rows({0, 1, 2}, 1 << 30)  # the flush copies the rows its writer holds
+    flusher = Flusher(tmp_path / "incr", store, {0, 1, 2})
+    mgr = make_manager("incremental", store, sh, ckpt, {}, flusher=flusher)
+    rng = np.random.default_rng(5)
+    train_steps(mgr, store, 1, 3, rng)
+    mgr.on_checkpoint(3)
+    ckpt.save(3, {"x": __import__("torch").zeros(1)}, {"step": 3, "namespace": namespace})
+    ckpt.wait()
+    train_steps(mgr, store, 4, 5, rng)
+    assert mgr.flush(5) > 0
+    train_steps(mgr, store, 6, 8, rng)
+    assert mgr.flush(8) > 0
+    with store.from_redis():
+        at_flush = all_rows(store)
+    train_steps(mgr, store, 9, 10, rng)
+    before = all_rows(store)
+    sh.kill(1)
+    mgr.guard(lambda: store.call(1, lambda c: c.ping()))  # held rows are read without Redis
+    assert mgr.recover(mgr.sync(), 11, "pull") is None
+    with store.from_redis():
+        after = all_rows(store)
+    for t in TABLES:
+        m = shard_mask(store, t, 1)
+        np.testing.assert_array_equal(after[t.name][m], at_flush[t.name][m])  # as of the flush, exactly
+        np.testing.assert_array_equal(after[t.name][~m], before[t.name][~m])
+        assert not np.array_equal(after[t.name][m], before[t.name][m])
+    rec = mgr.failures[0]
+    assert rec["restored_from_step"] == 3 and rec["flushed_to_step"] == 8
+    # lost: exactly the shard's updates of steps 9 and 10
+    assert rec["lost_updates"] == int((mgr.counter.total - mgr.counter.at_step[8])[1]) > 0
+    assert store.applied_steps()[1] == 8
+    # a flush is written once per dirty row: bytes per flush far below the updates it covers
+    files = sorted((tmp_path / "incr" / "shard1").glob("flush_*.bin"))
+    assert [int(f.stem.split("_")[1]) for f in files] == [5, 8]
+    mgr.close()

@@ -1,0 +1,109 @@
+"""Incremental flushes (``--recovery incremental``): compact durability between checkpoints.
+
+In the spirit of Check-N-Run's differential checkpoints: each writer remembers which rows of its
+shards were updated since its last flush, and every ``flush_every`` steps writes each such row
+once, as it is now (weights and optimizer state), to ``{dir}/shard{S}/flush_{step:010d}.bin``.
+The rows are copied from the rows the writer holds at the step boundary; a background thread
+writes the file (``recovery.rowfiles``), so training pauses for the copy alone. A row updated in
+every step of the interval is written once, where the update log writes it every step.
+
+Recovery restores the shard's checkpoint and overlays every flush taken after it, in order: the
+shard is then exactly as of the last flush, and only the updates since it are lost (counted like
+``partial``'s). Flushes that every kept checkpoint covers are dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from embeddings import rowkeys
+from embeddings.redis_store import RedisStore
+from recovery import rowfiles
+from recovery.files import fsync_dir
+from recovery.rowfiles import ShardRowsSaver
+
+
+class Flusher(ShardRowsSaver):
+    """One writer's flushes of the shards it writes."""
+
+    def __init__(self, directory: str | Path, store: RedisStore, shards: set[int], half: bool = False) -> None:
+        super().__init__(directory, store, shards, "flush")
+        self.half = half
+        for s in self.shards:
+            (self.dir / f"shard{s}").mkdir(parents=True, exist_ok=True)
+        self._dirty: list[np.ndarray] = []
+        self.num_flushes = 0
+        self.suspended = False
+
+    def observe(self, t: int, ids: np.ndarray) -> None:
+        """Rows of table ``t`` updated this step (any shard: only this writer's are kept)."""
+        ids = self.mine(t, ids)
+        if len(ids):
+            self._dirty.append(rowkeys.pack(t, ids))
+
+    def suspend(self) -> None:
+        """After a trainer restart the rows dirtied before it are unknown: no flush until the next
+        checkpoint (a flush that missed them would claim rows it does not hold)."""
+        self.suspended = True
+        self._dirty = []
+
+    def on_checkpoint(self, step: int) -> None:
+        if self.suspended:  # the checkpoint holds every row as of ``step``: the chain starts again
+            self.suspended = False
+            self._dirty = []
+
+    def flush(self, step: int) -> int:
+        """Copy every row dirtied since the last flush and hand it to the background writer; -> rows."""
+        if self.suspended:
+            return 0
+        self.writer.wait()  # flushes land in order, and the previous one is whole before the next
+        keys = np.unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
+        self._dirty = []
+        tables, rows = rowkeys.unpack(keys)
+        owner = np.empty(len(keys), np.int64)
+        for t in np.unique(tables).tolist():
+            m = tables == t
+            owner[m] = self.store.shard_map.shard_of(t, rows[m])
+        dims = [spec.dim for spec in self.store.tables.specs]
+        for s in sorted(self.shards):
+            groups = []
+            for t in np.unique(tables[owner == s]).tolist():
+                ids = rows[(owner == s) & (tables == t)]
+                groups.append((t, ids, self.store.read_rows(self.store.tables.specs[t].name, ids)))
+            self.writer.submit(self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups, dims, self.half)
+        self.num_flushes += 1
+        return len(keys)
+
+
+def flush_files(directory: Path, shard: int, after_step: int) -> list[Path]:
+    files = sorted((Path(directory) / f"shard{shard}").glob("flush_*.bin"))
+    return [f for f in files if int(f.stem.split("_")[1]) > after_step]
+
+
+def replay(directory: Path, store: RedisStore, shard: int, after_step: int) -> tuple[int, int]:
+    """Overlay the shard's flushes taken after ``after_step``, oldest first.
+    -> (bytes read, the step the shard is now as of)."""
+    nbytes, as_of = 0, after_step
+    for path in flush_files(directory, shard, after_step):
+        f = rowfiles.read(path)
+        if f.groups:
+            store.write_shard(shard, f.groups, step=f.step)
+        nbytes += path.stat().st_size
+        as_of = f.step
+    return nbytes, as_of
+
+
+def drop_before(directory: Path, num_shards: int, step: int) -> int:
+    """Remove flushes that a checkpoint at ``step`` (the oldest kept) covers; -> files removed."""
+    n = 0
+    for s in range(num_shards):
+        d = Path(directory) / f"shard{s}"
+        old = [f for f in d.glob("flush_*.bin") if int(f.stem.split("_")[1]) <= step]
+        for f in old:
+            f.unlink(missing_ok=True)
+        if old:
+            fsync_dir(d)
+        n += len(old)
+    return n

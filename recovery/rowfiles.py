@@ -1,0 +1,148 @@
+"""Files of rows written off the training path: priority saves and incremental flushes.
+
+A writer copies the rows it wants to keep at a step boundary (from the rows it holds: no Redis
+read, no barrier) and hands them to ``RowFileWriter``, whose one background thread encodes,
+writes, fsyncs and renames each file in order while training goes on. The training path pays
+for the copy alone.
+
+File::
+
+    crc     u32  CRC32C of the rest
+    magic   4s   b"ROW2"
+    step    u64  the rows are as of the end of this step
+    updates u64  (row, step) updates since the shard's last checkpoint that these rows hold
+    half    u8   1: weights stored as float16 (optimizer state stays float32)
+    groups  u32, then per group: table u32 | n u32 | width u32 | dim u32 | ids [n] u64 |
+            weights [n, dim] f32 or f16 | state [n, width - dim] f32
+
+Everything needed to use a file is in it, so rank 0 can overlay a file another trainer wrote.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import numpy as np
+
+from recovery.errors import CorruptCheckpointError
+from recovery.files import write_atomic
+
+MAGIC = b"ROW2"
+_HEAD = struct.Struct("<4sQQBI")
+_GROUP = struct.Struct("<IIII")
+
+
+@dataclass
+class RowFile:
+    step: int
+    updates: int
+    groups: list[tuple[int, np.ndarray, np.ndarray]]  # (table, ids, rows [n, width] float32)
+
+
+def encode(step: int, updates: int, groups, dims: list[int], half: bool = False) -> bytes:
+    out = [_HEAD.pack(MAGIC, step, updates, int(half), len(groups))]
+    for t, ids, rows in groups:
+        rows = np.ascontiguousarray(rows, "<f4")
+        dim = dims[t]
+        out.append(_GROUP.pack(t, len(ids), rows.shape[1], dim))
+        out.append(np.ascontiguousarray(ids, "<u8").tobytes())
+        out.append(np.ascontiguousarray(rows[:, :dim], "<f2" if half else "<f4").tobytes())
+        out.append(np.ascontiguousarray(rows[:, dim:]).tobytes())
+    blob = b"".join(out)
+    return struct.pack("<I", crc32c.crc32c(blob)) + blob
+
+
+def decode(data: bytes, where: str) -> RowFile:
+    if len(data) < 4 + _HEAD.size:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, too short for a rows file; not loaded")
+    (crc,) = struct.unpack_from("<I", data)
+    if crc32c.crc32c(data[4:]) != crc:
+        raise CorruptCheckpointError(f"{where}: CRC32C mismatch; not loaded")
+    magic, step, updates, half, ngroups = _HEAD.unpack_from(data, 4)
+    if magic != MAGIC:
+        raise CorruptCheckpointError(f"{where}: magic {magic!r} is not {MAGIC!r}; not loaded")
+    pos, groups = 4 + _HEAD.size, []
+    wdtype, wsize = ("<f2", 2) if half else ("<f4", 4)
+    for _ in range(ngroups):
+        t, n, width, dim = _GROUP.unpack_from(data, pos)
+        pos += _GROUP.size
+        ids = np.frombuffer(data, "<u8", n, pos).astype(np.int64)
+        pos += 8 * n
+        rows = np.empty((n, width), np.float32)
+        rows[:, :dim] = np.frombuffer(data, wdtype, n * dim, pos).reshape(n, dim)
+        pos += wsize * n * dim
+        rows[:, dim:] = np.frombuffer(data, "<f4", n * (width - dim), pos).reshape(n, width - dim)
+        pos += 4 * n * (width - dim)
+        groups.append((int(t), ids, rows))
+    return RowFile(int(step), int(updates), groups)
+
+
+def read(path: Path) -> RowFile:
+    return decode(Path(path).read_bytes(), str(path))
+
+
+class RowFileWriter:
+    """One background thread that writes rows files durably, in the order they were handed over."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self.bytes_written = 0
+        self.files = 0
+        self.seconds = 0.0  # background time: encoding, writing, fsync
+
+    def submit(self, path: Path, step: int, updates: int, groups, dims: list[int], half: bool = False) -> None:
+        def work() -> None:
+            t0 = time.perf_counter()
+            data = encode(step, updates, groups, dims, half)
+            write_atomic(path, data)
+            with self._lock:
+                self.bytes_written += len(data)
+                self.files += 1
+                self.seconds += time.perf_counter() - t0
+
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(work))
+
+    def wait(self) -> None:
+        """Every file handed over so far is on disk (errors surface here)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+
+class ShardRowsSaver:
+    """What a writer's off-path savers share: the shards it writes, a background writer, byte counts."""
+
+    def __init__(self, directory, store, shards: set[int] | None, name: str) -> None:
+        self.dir = Path(directory)
+        self.store = store
+        self.shards = set(range(store.num_shards)) if shards is None else set(shards)
+        self.writer = RowFileWriter(name)
+
+    @property
+    def bytes_written(self) -> int:
+        return self.writer.bytes_written
+
+    def mine(self, t: int, ids: np.ndarray) -> np.ndarray:
+        """The ids of table ``t`` that this writer's shards hold."""
+        if len(self.shards) < self.store.num_shards:
+            ids = ids[np.isin(self.store.shard_map.shard_of(t, ids), list(self.shards))]
+        return ids
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    def close(self) -> None:
+        self.writer.close()
