@@ -206,19 +206,36 @@ def _stop_process(proc: subprocess.Popen) -> None:
 
 def _kill_pidfile(spec: ShardSpec, known_pid: int | None) -> None:
     """Stop a replacement that another process started for this shard (it is not our child)."""
+    for pid in shard_servers(spec):
+        if pid != known_pid:
+            kill_and_wait(pid)
+
+
+def shard_servers(spec: ShardSpec) -> list[int]:
+    """Pids of the ``redis-server`` processes serving ``spec``'s address: the one in its pidfile, and
+    any other (a trainer killed between starting a replacement and writing its pidfile leaves one
+    nobody knows of). redis-server titles itself ``redis-server HOST:PORT``."""
+    pids, recorded = set(), None
     try:
-        pid = int(spec.pidfile.read_text().strip())
+        recorded = int(spec.pidfile.read_text().strip())
+        pids.add(recorded)
     except (OSError, ValueError):
-        return
-    if pid == known_pid:
-        return
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"redis" not in f.read():
-                return  # the pid was reused by something else
-    except OSError:
-        return
-    kill_and_wait(pid)
+        pass
+    title = f"redis-server {spec.host}:{spec.port}".encode()  # argv[0] may carry a path
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            pids.add(int(entry.name))
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        ours = cmd.rstrip(b"\0").endswith(title) or (pid == recorded and b"redis" in cmd)  # pid not reused
+        if ours and process_state(pid) not in (None, "Z"):
+            out.append(pid)
+    return sorted(out)
 
 
 def kill_and_wait(pid: int, timeout_s: float = 10.0) -> None:

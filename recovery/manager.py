@@ -36,13 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from embeddings import RedisStore, ShardDataError, ShardUnavailableError
-from embeddings.launcher import ShardSpec, kill_and_wait, spawn_shard
+from embeddings.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard
 from recovery import incremental, priority
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError, ShardLostError
 from recovery.files import FAILURES, TRAINER_FAILURES, append_line, read_lines, write_atomic
-from recovery.inject import Injector, read_pid
+from recovery.inject import Injector
 from recovery.log import ShardLog
 from recovery.strategy import Strategy
 
@@ -372,8 +372,7 @@ class RecoveryManager:
             write_atomic(self.run_dir / IN_RECOVERY, json.dumps(shards))
 
     def _kill(self, spec: ShardSpec) -> None:
-        pid = read_pid(spec.pidfile)
-        if pid is not None:
+        for pid in shard_servers(spec):  # its pidfile's, and one a dead trainer started unrecorded
             kill_and_wait(pid)
 
     def _checkpoint_for(self, shards: list[int], record: dict) -> Checkpoint | None:

@@ -10,6 +10,15 @@ against the reference; bytes written. Outputs ``results.csv``, ``results.md`` an
 ``overhead_vs_auc.png`` in ``--out``.
 
 ``replica`` runs with a local replica per shard (promoted on failure: nothing is loaded).
+``incremental`` flushes each shard's dirty rows every tenth of the interval (Check-N-Run style).
+Per strategy, bytes written per step (checkpoints, logs, priority saves, flushes).
+
+``--sweep``: CPR's trade-off curve. Failures drawn from an emulated failure process (exponential
+gaps of mean ``--mtbf`` steps, one draw for every strategy); each strategy at each checkpoint
+interval of ``--intervals`` plus the planner's interval for ``--target-pls`` (marked). Outputs
+``sweep.csv``, ``sweep.md`` (with the cheapest interval per strategy at equal accuracy, and the
+planner's predicted PLS against the measured one) and ``sweep_pareto.png`` (overhead against
+AUC change and against PLS, one line per strategy).
 
 ``--scaling``: per shard size (up to 1 GB of rows): the snapshot's training pause and total time
 for a local shard (``BGSAVE`` and a file copy), for a shard known only by URL (a fork streamed
@@ -25,6 +34,7 @@ import argparse
 import csv
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -46,7 +56,23 @@ def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> lis
     return [f"shard:{int(rng.integers(num_shards))}@step={s}" for s in at]
 
 
-def _config(args, out: Path, strategy: str, injections: list[str]):
+def mtbf_schedule(steps: int, mtbf: float, num_shards: int, seed: int) -> list[str]:
+    """An emulated failure process: shard kills at exponentially distributed gaps of mean ``mtbf``
+    steps (steps 2 .. steps-1), a seeded random shard each; the same draw for every strategy."""
+    rng = np.random.default_rng([seed, 2718])
+    out, t, last = [], 0.0, 0
+    while True:
+        t += rng.exponential(mtbf)
+        step = max(2, math.ceil(t))
+        if step >= steps:
+            return out
+        shard = int(rng.integers(num_shards))
+        if step != last:  # two failures drawn in one step count as one
+            out.append(f"shard:{shard}@step={step}")
+            last = step
+
+
+def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_every: int | None = None):
     from recsys.config import RunConfig
 
     d = {
@@ -71,7 +97,7 @@ def _config(args, out: Path, strategy: str, injections: list[str]):
     if strategy != "none":
         d["recovery"] = {
             "recovery": strategy,
-            "checkpoint_every": args.checkpoint_every,
+            "checkpoint_every": checkpoint_every or args.checkpoint_every,
             "inject": injections,
             "priority_budget": args.priority_budget,
             "keep_checkpoints": 2,
@@ -86,8 +112,9 @@ def summarize(strategy: str, s: dict, ref: dict) -> dict:
     failure_s = sum(f["detected_after_s"] + f["recovery_s"] for f in fails)
     failure_s += sum(f.get("recomputed_steps", 0) for f in fails) * step_s
     ckpt_s = sum(c["pause_s"] for c in s.get("checkpoints", []))
-    saving_s = ckpt_s + s.get("log_seconds", 0.0) + s.get("priority_pause_s", 0.0)
-    written = sum(c["bytes"] for c in s.get("checkpoints", [])) + s.get("log_bytes", 0) + s.get("priority_bytes", 0)
+    saving_s = ckpt_s + s.get("log_seconds", 0.0) + s.get("priority_pause_s", 0.0) + s.get("flush_pause_s", 0.0)
+    written = sum(c["bytes"] for c in s.get("checkpoints", []))
+    written += s.get("log_bytes", 0) + s.get("priority_bytes", 0) + s.get("flush_bytes", 0)
     return {
         "strategy": strategy,
         "failures": len(fails),
@@ -103,6 +130,7 @@ def summarize(strategy: str, s: dict, ref: dict) -> dict:
         "final_logloss": round(s["final_logloss"], 5),
         "auc_change": round(s["final_auc"] - ref["final_auc"], 5),
         "bytes_written": written,
+        "bytes_per_step": int(written / max(1, s["steps_completed"])),
     }
 
 
@@ -121,6 +149,7 @@ COLUMNS = [
     "final_logloss",
     "auc_change",
     "bytes_written",
+    "bytes_per_step",
 ]
 
 
@@ -183,6 +212,152 @@ def bench_strategies(args) -> list[dict]:
     plot(rows, out / "overhead_vs_auc.png", title)
     print(md)
     return rows
+
+
+SWEEP_COLUMNS = [
+    "strategy",
+    "interval",
+    "planner",
+    "failures",
+    "overhead_pct",
+    "wall_vs_none_pct",
+    "pls",
+    "predicted_pls",
+    "predicted_pls_drawn",
+    "auc_change",
+    "bytes_per_step",
+]
+
+
+def bench_sweep(args) -> list[dict]:
+    """CPR's trade-off: every strategy at every checkpoint interval, under failures drawn from an
+    emulated failure process (mean ``--mtbf`` steps between failures, one draw for all). The
+    planner's interval for ``--target-pls`` is added to the intervals and marked; beside each
+    measured PLS, the planner's prediction (from the MTBF) and the same model with the number of
+    failures actually drawn."""
+    from recovery.planner import expected_pls, plan_interval
+    from recsys.launch import run
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    schedule = mtbf_schedule(args.steps, args.mtbf, args.shards, args.seed)
+    if not schedule:
+        raise ConfigError(f"--mtbf {args.mtbf:g}: no failure drawn in {args.steps} steps; lower it or add --steps")
+    strategies = [s.strip() for s in args.sweep_strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES or s in ("none", "replica")]
+    if bad:
+        raise ConfigError(
+            f"--sweep-strategies {args.sweep_strategies!r}: {bad} cannot be swept (strategies with checkpoints only)"
+        )
+    try:
+        intervals = sorted({int(x) for x in args.intervals.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--intervals {args.intervals!r}: must be comma-separated step counts") from None
+    if not intervals or min(intervals) <= 0:
+        raise ConfigError(f"--intervals {args.intervals!r}: must be step counts > 0")
+    planned = plan_interval(args.mtbf, args.target_pls, args.shards, 0.0, max_interval=args.steps).interval
+    intervals = sorted({*intervals, planned})
+    runs = [("none", 0)] + [(s, k) for s in strategies for k in intervals]
+    summaries = {}
+    for strategy, k in tqdm(runs, desc="sweep", unit="run"):
+        cfg = _config(args, out / f"{strategy}-{k}", strategy, schedule, checkpoint_every=k)
+        summaries[(strategy, k)] = run(cfg)
+    ref = summaries[("none", 0)]
+    n_fail = len(schedule)
+    rows = []
+    for strategy, k in runs[1:]:
+        r = summarize(strategy, summaries[(strategy, k)], ref)
+        lost_every = max(1, k // 10) if strategy == "incremental" else k  # the restore point's spacing
+        modeled = strategy in ("partial", "incremental")  # the planner's model: restore to the last save
+        rows.append(
+            {
+                **r,
+                "interval": k,
+                "planner": k == planned,
+                "predicted_pls": round(expected_pls(lost_every, args.mtbf, args.shards), 5) if modeled else "",
+                "predicted_pls_drawn": round(n_fail * lost_every / (2 * args.shards * args.steps), 5)
+                if modeled
+                else "",
+            }
+        )
+    with open(out / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    title = (
+        f"{args.steps} steps x {args.batch_size}, {args.shards} shards, MTBF {args.mtbf:g} steps "
+        f"({n_fail} failures drawn), planner's interval {planned} for target PLS {args.target_pls:g}"
+    )
+    md = [title, "", markdown(rows, SWEEP_COLUMNS), "", sweep_verdict(rows, ref, args.auc_tolerance)]
+    (out / "sweep.md").write_text("\n".join(md) + "\n")
+    (out / "schedule.json").write_text(json.dumps(schedule))
+    plot_sweep(rows, out / "sweep_pareto.png", title)
+    print("\n".join(md))
+    return rows
+
+
+def sweep_verdict(rows: list[dict], ref: dict, tolerance: float) -> str:
+    """Per strategy: the cheapest interval whose AUC stays within ``tolerance`` (relative) of the
+    failure-free run; and the planner's PLS prediction against the measured PLS, summed."""
+    lines = [f"Cheapest interval per strategy with |AUC change| <= {100 * tolerance:g}% of {ref['final_auc']:.5f}:", ""]
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        ok = [r for r in rows if r["strategy"] == strategy and abs(r["auc_change"]) <= tolerance * ref["final_auc"]]
+        if ok:
+            best = min(ok, key=lambda r: r["overhead_pct"])
+            lines.append(
+                f"- {strategy}: interval {best['interval']}, overhead {best['overhead_pct']}%, "
+                f"AUC change {best['auc_change']}, PLS {best['pls']}"
+            )
+        else:
+            lines.append(f"- {strategy}: no interval within the tolerance")
+    for strategy in ("partial", "incremental"):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        measured = sum(r["pls"] for r in mine)
+        if mine and measured > 0:
+            pred = sum(r["predicted_pls"] for r in mine)
+            drawn = sum(r["predicted_pls_drawn"] for r in mine)
+            lines.append(
+                f"- {strategy} PLS over the sweep: measured {measured:.5f}, planner {pred:.5f} "
+                f"({100 * (pred / measured - 1):+.1f}%), with the failures drawn {drawn:.5f} "
+                f"({100 * (drawn / measured - 1):+.1f}%)"
+            )
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["overhead_pct"])
+        x = [r["overhead_pct"] for r in mine]
+        for ax, key in zip(axes, ("auc_change", "pls")):
+            line = ax.plot(x, [r[key] for r in mine], marker="o", label=strategy)[0]
+            for r in mine:
+                ax.annotate(
+                    str(r["interval"]),
+                    (r["overhead_pct"], r[key]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+                if r["planner"]:
+                    ax.scatter([r["overhead_pct"]], [r[key]], marker="*", s=180, color=line.get_color(), zorder=3)
+    axes[0].axhline(0, color="gray", lw=0.8)
+    axes[0].set_ylabel("AUC change vs failure-free run")
+    axes[1].set_ylabel("PLS (portion of lost samples)")
+    for ax in axes:
+        ax.set_xlabel("checkpoint-related overhead (%)")
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title + " (labels: interval; star: the planner's)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def scan_copy(store, shard: int, path: Path) -> int:
@@ -354,10 +529,29 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="comma-separated bytes of rows per shard",
     )
     ap.add_argument("--scaling-shards", type=int, default=2, help="shards in the scaling runs")
+    ap.add_argument(
+        "--sweep", action="store_true", help="only CPR's sweep: strategies x checkpoint intervals under --mtbf failures"
+    )
+    ap.add_argument("--mtbf", type=float, default=200.0, help="--sweep: mean steps between shard failures")
+    ap.add_argument("--intervals", default="50,100,200,400", help="--sweep: comma-separated checkpoint intervals")
+    ap.add_argument(
+        "--sweep-strategies",
+        default="full,partial,partial-mfu,partial-ssu,incremental,log",
+        help="--sweep: comma-separated strategies",
+    )
+    ap.add_argument(
+        "--target-pls", type=float, default=0.02, help="--sweep: the planner's target PLS (its interval is marked)"
+    )
+    ap.add_argument(
+        "--auc-tolerance", type=float, default=0.0005, help="--sweep: relative AUC change counted as equal accuracy"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    if args.sweep:
+        bench_sweep(args)
+        return 0
     if not args.scaling_only:
         bench_strategies(args)
     if args.scaling or args.scaling_only:
