@@ -209,6 +209,8 @@ class RedisStore(StoreBase):
                 rest[got[0]] = False
                 rest[got[2]] = False
                 idx = np.flatnonzero(rest)
+            if idx is not None and not len(idx):
+                continue  # every row held (or known never written): nothing to read
             for s, pos in enumerate(self.shard_map.split(t, ids if idx is None else ids[idx])):
                 if len(pos):
                     plan.setdefault(s, []).append((t, pos if idx is None else idx[pos]))

@@ -61,18 +61,18 @@ class Flusher(ShardRowsSaver):
         self.writer.wait()  # flushes land in order, and the previous one is whole before the next
         keys = np.unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
         self._dirty = []
-        tables, rows = rowkeys.unpack(keys)
-        owner = np.empty(len(keys), np.int64)
-        for t in np.unique(tables).tolist():
-            m = tables == t
-            owner[m] = self.store.shard_map.shard_of(t, rows[m])
+        tables, ids = rowkeys.unpack(keys)  # sorted by key: grouped by table, ids sorted
+        bounds = np.searchsorted(tables, np.arange(len(self.store.tables.specs) + 1))
+        by_table = {t: ids[bounds[t] : bounds[t + 1]] for t in range(len(bounds) - 1) if bounds[t + 1] > bounds[t]}
+        rows = self.store.read_many(by_table)  # one read (held rows) for every table
+        groups: dict[int, list] = {s: [] for s in self.shards}
+        for t, tids in by_table.items():
+            for s, pos in enumerate(self.store.shard_map.split(t, tids)):
+                if len(pos) and s in groups:
+                    groups[s].append((t, tids[pos], rows[t][pos]))
         dims = [spec.dim for spec in self.store.tables.specs]
         for s in sorted(self.shards):
-            groups = []
-            for t in np.unique(tables[owner == s]).tolist():
-                ids = rows[(owner == s) & (tables == t)]
-                groups.append((t, ids, self.store.read_rows(self.store.tables.specs[t].name, ids)))
-            self.writer.submit(self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups, dims, self.half)
+            self.writer.submit(self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups[s], dims, self.half)
         self.num_flushes += 1
         return len(keys)
 

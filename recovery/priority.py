@@ -230,15 +230,20 @@ class PrioritySaver(ShardRowsSaver):
         self.writer.wait()  # the previous save is on disk (normally long since)
         total = 0
         dims = [spec.dim for spec in self.store.tables.specs]
-        for s in sorted(self.shards):
-            sel = self.tracker.select(s, self.budget)
-            groups = [
-                (t, ids, self.store.read_rows(self.store.tables.specs[t].name, ids)) for t, ids in sel if len(ids)
-            ]
-            saved = self.counts.total([(t, ids) for t, ids, _ in groups])
+        sel = {s: {t: ids for t, ids in self.tracker.select(s, self.budget) if len(ids)} for s in sorted(self.shards)}
+        tables = sorted({t for per in sel.values() for t in per})
+        # one read for every shard and table (held rows), then each shard's part of it
+        rows = self.store.read_many({t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables})
+        offset = dict.fromkeys(tables, 0)
+        for s, per in sel.items():
+            groups = []
+            for t, ids in per.items():
+                groups.append((t, ids, rows[t][offset[t] : offset[t] + len(ids)]))
+                offset[t] += len(ids)
+            saved = self.counts.total(list(per.items()))
             self.writer.submit(self.dir / f"shard{s}.bin", step, saved, groups, dims, self.half)
-            self.saved_rows[s] = [(t, ids) for t, ids, _ in groups]
-            total += sum(len(ids) for _, ids, _ in groups)
+            self.saved_rows[s] = list(per.items())
+            total += sum(len(ids) for ids in per.values())
         self.num_saves += 1
         return total
 
