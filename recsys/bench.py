@@ -547,13 +547,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace) -> list[dict]:
+    """What the flags ask for; -> the rows of the main table (the sweep's, the strategies' or the scaling's)."""
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if args.sweep:
-        bench_sweep(args)
-        return 0
-    if not args.scaling_only:
-        bench_strategies(args)
+        return bench_sweep(args)
+    rows = [] if args.scaling_only else bench_strategies(args)
     if args.scaling or args.scaling_only:
-        bench_scaling(args)
+        scaling = bench_scaling(args)
+        rows = rows or scaling
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    run_bench(args)
     return 0

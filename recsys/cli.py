@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(br)
+    cp = sub.add_parser(
+        "compare",
+        help="put two or more run folders side by side (table and plot)",
+        description=__import__("recsys.comparison", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
+    cp.add_argument("--out", default=None, help="where compare.md and compare.png go (default: beside the first run)")
     return ap
 
 
@@ -217,19 +225,24 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from recsys.launch import TrainerFailed, run
+    from recsys import api
+    from recsys.launch import TrainerFailed
 
     out = None
     try:
         if args.command == "bench-recovery":
-            from recsys.bench import main as bench_main
-
             out = args.out
-            return bench_main(args)
+            api.bench_recovery(**vars(args))
+            return 0
+        if args.command == "compare":
+            out = args.out or "."
+            where = api.compare(args.runs, out=args.out)
+            print(f"wrote {where}/compare.md and {where}/compare.png")
+            return 0
         cfg = resolve(args)
         out = cfg.train.out
-        under = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-        summary = run(cfg, under_launcher=under, resume=bool(args.resume))
+        run = api.train(cfg, resume=bool(args.resume))
+        summary = run.summary.raw if run.summary is not None else None
     except KNOWN_ERRORS as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Shards on servers the project did not start (other machines): snapshots and restores over the
-protocol. The servers are kept alive by a supervisor in the test (``tests/supervisor.py``) that
-restarts a killed server empty on the same port; the test kills one from outside at a random
+protocol. The servers are kept alive by a supervisor in the test (the pytest plugin's ``redis_servers``)
+that restarts a killed server empty on the same port; the test kills one from outside at a random
 moment mid-run (``REMOTE_SEED=N`` replays a draw)."""
 
 import json
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from recsys.testing import RedisServers
 from tests.conftest import _STARTED_PIDS, train_cli
-from tests.supervisor import Supervised
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--steps", "120", "--rows-per-table", "2000", "--batch-size", "256", "--embedding-dim", "8"]
@@ -26,15 +26,13 @@ SEED = int(os.environ.get("REMOTE_SEED", time.time_ns() % 100_000))
 
 
 @pytest.fixture
-def servers(tmp_path):
-    with Supervised(3, tmp_path / "servers") as s:
-        _STARTED_PIDS.update(s.pids)
-        yield s
-        _STARTED_PIDS.update(s.pids)
+def servers(redis_servers):
+    """Three servers kept alive by the plugin's supervisor (it checks they are gone afterwards)."""
+    return redis_servers(3, supervised=True)
 
 
 def kill_mid_run(
-    servers: Supervised, out: Path, shard: int, rng: random.Random, hold: bool = False
+    servers: RedisServers, out: Path, shard: int, rng: random.Random, hold: bool = False
 ) -> threading.Thread:
     """From outside: once training logged its first steps, wait a random moment, SIGKILL the server."""
 
@@ -59,7 +57,7 @@ def reference(tmp_path_factory) -> dict:
     return train_cli(tmp_path_factory.mktemp("remote-ref"), *BASE, "--shards", "3", "--recovery", "log")
 
 
-def remote_run(out: Path, servers: Supervised, strategy: str, shard: int, *flags: str) -> dict:
+def remote_run(out: Path, servers: RedisServers, strategy: str, shard: int, *flags: str) -> dict:
     rng = random.Random(SEED)
     killer = kill_mid_run(servers, out, shard, rng)
     s = train_cli(out, *BASE, "--redis", ",".join(servers.urls), "--recovery", strategy, *flags)
@@ -139,9 +137,9 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
     primary is killed and held down, the replica resumes and is promoted: what it missed is lost."""
     import signal
 
-    with Supervised(3, tmp_path / "primaries") as prim:
+    with RedisServers(3, tmp_path / "primaries", supervised=True) as prim:
         extra = [("--replicaof", "127.0.0.1", str(p)) for p in prim.ports]
-        reps = [Supervised(1, tmp_path / f"replica{i}", extra=e) for i, e in enumerate(extra)]
+        reps = [RedisServers(1, tmp_path / f"replica{i}", extra=e, supervised=True) for i, e in enumerate(extra)]
         _STARTED_PIDS.update(prim.pids + [p for r in reps for p in r.pids])
         try:
             for r in reps:  # each replica has synced before the run
@@ -182,7 +180,7 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
 def cluster(tmp_path):
     """A Redis Cluster of 3 primaries with a replica each, built with ``redis-cli --cluster create``."""
     args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000")
-    with Supervised(6, tmp_path / "cluster", extra=args) as nodes:
+    with RedisServers(6, tmp_path / "cluster", extra=args, supervised=True) as nodes:
         _STARTED_PIDS.update(nodes.pids)
         for i in range(6):
             nodes.hold(i)  # a killed node stays down: its replica takes over
@@ -198,7 +196,7 @@ def cluster(tmp_path):
         yield nodes
 
 
-def cluster_url(nodes: Supervised) -> str:
+def cluster_url(nodes: RedisServers) -> str:
     return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in nodes.ports[:2])
 
 
