@@ -145,38 +145,21 @@ class MFUTracker:
         return _top(keys, counts, budget)
 
 
-class SSUTracker:
+class SSUTracker(MFUTracker):
+    """Each shard's most sampled rows: each update is tracked with probability ``fraction``, and
+    the sampled stream is counted by the same bounded sketch as MFU (``capacity`` rows per shard)."""
+
     def __init__(
         self, store: RedisStore, fraction: float, capacity: int, seed: int = 0, shards: set[int] | None = None
     ) -> None:
-        self.store = store
+        super().__init__(store, capacity, shards)
         self.fraction = fraction
-        self.capacity = capacity
         self.rng = np.random.default_rng([seed, 4242])
-        n = store.num_shards
-        self.shards = set(range(n)) if shards is None else set(shards)
-        self.keys = [np.empty(0, np.int64) for _ in range(n)]
-        self.counts = [np.empty(0, np.int64) for _ in range(n)]
 
     def observe(self, t: int, ids: np.ndarray) -> None:
         sampled = ids[self.rng.random(len(ids)) < self.fraction]
-        if not len(sampled):
-            return
-        owner = self.store.shard_map.shard_of(t, sampled)
-        for s in np.unique(owner).tolist():
-            if s not in self.shards:
-                continue
-            k = np.concatenate([self.keys[s], rowkeys.pack(t, sampled[owner == s])])
-            c = np.concatenate([self.counts[s], np.ones(int((owner == s).sum()), np.int64)])
-            uk, inv = np.unique(k, return_inverse=True)
-            uc = np.bincount(inv, weights=c).astype(np.int64)
-            if len(uk) > self.capacity:  # bounded: keep the most updated
-                keep = np.argpartition(-uc, self.capacity - 1)[: self.capacity]
-                uk, uc = uk[keep], uc[keep]
-            self.keys[s], self.counts[s] = uk, uc
-
-    def select(self, shard: int, budget: int) -> list[tuple[int, np.ndarray]]:
-        return _top(self.keys[shard], self.counts[shard], budget)
+        if len(sampled):
+            super().observe(t, sampled)
 
 
 def _top(keys: np.ndarray, counts: np.ndarray, budget: int) -> list[tuple[int, np.ndarray]]:

@@ -217,6 +217,7 @@ def bench_strategies(args) -> list[dict]:
 SWEEP_COLUMNS = [
     "strategy",
     "interval",
+    "draw",
     "planner",
     "failures",
     "overhead_pct",
@@ -240,8 +241,11 @@ def bench_sweep(args) -> list[dict]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    schedule = mtbf_schedule(args.steps, args.mtbf, args.shards, args.seed)
-    if not schedule:
+    # one failure draw per --draws (the same for every strategy and interval)
+    if args.draws < 1:
+        raise ConfigError(f"--draws {args.draws}: must be >= 1")
+    schedules = [mtbf_schedule(args.steps, args.mtbf, args.shards, args.seed + 1000 * d) for d in range(args.draws)]
+    if not any(schedules):
         raise ConfigError(f"--mtbf {args.mtbf:g}: no failure drawn in {args.steps} steps; lower it or add --steps")
     strategies = [s.strip() for s in args.sweep_strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGIES or s in ("none", "replica")]
@@ -257,22 +261,24 @@ def bench_sweep(args) -> list[dict]:
         raise ConfigError(f"--intervals {args.intervals!r}: must be step counts > 0")
     planned = plan_interval(args.mtbf, args.target_pls, args.shards, 0.0, max_interval=args.steps).interval
     intervals = sorted({*intervals, planned})
-    runs = [("none", 0)] + [(s, k) for s in strategies for k in intervals]
+    runs = [("none", 0, 0)] + [(s, k, d) for d in range(args.draws) for s in strategies for k in intervals]
     summaries = {}
-    for strategy, k in tqdm(runs, desc="sweep", unit="run"):
-        cfg = _config(args, out / f"{strategy}-{k}", strategy, schedule, checkpoint_every=k)
-        summaries[(strategy, k)] = run(cfg)
-    ref = summaries[("none", 0)]
-    n_fail = len(schedule)
+    for strategy, k, d in tqdm(runs, desc="sweep", unit="run"):
+        name = f"{strategy}-{k}" + (f"-draw{d}" if args.draws > 1 else "")
+        cfg = _config(args, out / name, strategy, schedules[d], checkpoint_every=k)
+        summaries[(strategy, k, d)] = run(cfg)
+    ref = summaries[("none", 0, 0)]
     rows = []
-    for strategy, k in runs[1:]:
-        r = summarize(strategy, summaries[(strategy, k)], ref)
+    for strategy, k, d in runs[1:]:
+        r = summarize(strategy, summaries[(strategy, k, d)], ref)
+        n_fail = len(schedules[d])
         lost_every = max(1, k // 10) if strategy == "incremental" else k  # the restore point's spacing
         modeled = strategy in ("partial", "incremental")  # the planner's model: restore to the last save
         rows.append(
             {
                 **r,
                 "interval": k,
+                "draw": d,
                 "planner": k == planned,
                 "predicted_pls": round(expected_pls(lost_every, args.mtbf, args.shards), 5) if modeled else "",
                 "predicted_pls_drawn": round(n_fail * lost_every / (2 * args.shards * args.steps), 5)
@@ -286,22 +292,40 @@ def bench_sweep(args) -> list[dict]:
         w.writerows(rows)
     title = (
         f"{args.steps} steps x {args.batch_size}, {args.shards} shards, MTBF {args.mtbf:g} steps "
-        f"({n_fail} failures drawn), planner's interval {planned} for target PLS {args.target_pls:g}"
+        f"({'/'.join(str(len(x)) for x in schedules)} failures drawn), planner's interval {planned} "
+        f"for target PLS {args.target_pls:g}"
     )
     md = [title, "", markdown(rows, SWEEP_COLUMNS), "", sweep_verdict(rows, ref, args.auc_tolerance)]
     (out / "sweep.md").write_text("\n".join(md) + "\n")
-    (out / "schedule.json").write_text(json.dumps(schedule))
+    (out / "schedule.json").write_text(json.dumps(schedules))
     plot_sweep(rows, out / "sweep_pareto.png", title)
     print("\n".join(md))
     return rows
 
 
+def per_interval(rows: list[dict]) -> list[dict]:
+    """Rows of several draws averaged per (strategy, interval)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["strategy"], r["interval"]), []).append(r)
+    out = []
+    for (strategy, k), rs in groups.items():
+        mean = {c: round(float(np.mean([r[c] for r in rs])), 5) for c in ("overhead_pct", "auc_change", "pls")}
+        out.append({"strategy": strategy, "interval": k, "planner": rs[0]["planner"], "draws": len(rs), **mean})
+    return out
+
+
 def sweep_verdict(rows: list[dict], ref: dict, tolerance: float) -> str:
     """Per strategy: the cheapest interval whose AUC stays within ``tolerance`` (relative) of the
     failure-free run; and the planner's PLS prediction against the measured PLS, summed."""
-    lines = [f"Cheapest interval per strategy with |AUC change| <= {100 * tolerance:g}% of {ref['final_auc']:.5f}:", ""]
-    for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        ok = [r for r in rows if r["strategy"] == strategy and abs(r["auc_change"]) <= tolerance * ref["final_auc"]]
+    lines = [
+        f"Cheapest interval per strategy with |AUC change| <= {100 * tolerance:g}% of {ref['final_auc']:.5f} "
+        "(means over the draws):",
+        "",
+    ]
+    means = per_interval(rows)
+    for strategy in dict.fromkeys(r["strategy"] for r in means):
+        ok = [r for r in means if r["strategy"] == strategy and abs(r["auc_change"]) <= tolerance * ref["final_auc"]]
         if ok:
             best = min(ok, key=lambda r: r["overhead_pct"])
             lines.append(
@@ -331,6 +355,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    rows = per_interval(rows)
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         mine = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["overhead_pct"])
         x = [r["overhead_pct"] for r in mine]
@@ -534,6 +559,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--mtbf", type=float, default=200.0, help="--sweep: mean steps between shard failures")
     ap.add_argument("--intervals", default="50,100,200,400", help="--sweep: comma-separated checkpoint intervals")
+    ap.add_argument("--draws", type=int, default=1, help="--sweep: independent failure draws (each run per draw)")
     ap.add_argument(
         "--sweep-strategies",
         default="full,partial,partial-mfu,partial-ssu,incremental,log",

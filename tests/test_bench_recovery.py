@@ -81,3 +81,67 @@ def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path
     # the pause of a network snapshot is its fork, not its transfer
     assert float(row["snapshot_pause_network_s"]) <= float(row["snapshot_total_network_s"])
     assert float(row["recovery_replica_s"]) < float(row["recovery_remote_s"])
+
+
+def test_mtbf_schedule_draws_exponential_gaps_seeded():
+    from recsys.bench import mtbf_schedule
+
+    a = mtbf_schedule(200_000, 100.0, 4, seed=1)
+    assert a == mtbf_schedule(200_000, 100.0, 4, seed=1) and a != mtbf_schedule(200_000, 100.0, 4, seed=2)
+    steps = [int(x.split("@step=")[1]) for x in a]
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert abs(sum(gaps) / len(gaps) - 100) < 5  # mean gap ~ MTBF
+    assert sum(g > 200 for g in gaps) / len(gaps) > 0.1  # a long tail, not a fixed period
+    assert {int(x.split("@")[0][6:]) for x in a} == {0, 1, 2, 3}
+
+
+def test_bench_sweep_writes_the_trade_off_table_and_plot(tmp_path):
+    out = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_recovery.py",
+            "--sweep",
+            "--steps",
+            "40",
+            "--mtbf",
+            "12",
+            "--intervals",
+            "10,20",
+            "--target-pls",
+            "0.3",
+            "--sweep-strategies",
+            "partial,incremental",
+            "--batch-size",
+            "256",
+            "--rows-per-table",
+            "2000",
+            "--shards",
+            "3",
+            "--eval-samples",
+            "4096",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    planned = 21  # floor(2 * 3 shards * 0.3 * 12)
+    assert [(r["strategy"], int(r["interval"])) for r in rows] == [
+        (s, k) for s in ("partial", "incremental") for k in (10, 20, planned)
+    ]
+    assert [r["planner"] for r in rows] == ["False", "False", "True"] * 2
+    failures = {int(r["failures"]) for r in rows}
+    assert len(failures) == 1 and failures.pop() >= 2  # one draw for every run
+    for r in rows:
+        assert float(r["predicted_pls"]) > 0 and float(r["pls"]) > 0
+    inc = {int(r["interval"]): float(r["pls"]) for r in rows if r["strategy"] == "incremental"}
+    part = {int(r["interval"]): float(r["pls"]) for r in rows if r["strategy"] == "partial"}
+    assert all(inc[k] < part[k] for k in part)  # flushes cut the loss at every interval
+    md = (out / "sweep.md").read_text()
+    assert "PLS over the sweep: measured" in md and "Cheapest interval" in md
+    assert (out / "sweep_pareto.png").read_bytes()[:4] == b"\x89PNG"
