@@ -23,7 +23,7 @@ def test_partial_recovery_loses_a_bounded_share(recsys_train, failure_schedule, 
     failures = recsys_checks.recovered(run, failures=2, strategy="partial")
     assert [f.target for f in failures] == [2, 0]
     assert run.summary.pls > 0 and run.summary.lost_updates > 0
-    recsys_checks.lost_at_most(run, 0.1)
+    recsys_checks.lost_at_most(run, 0.2)  # two failures of 1 shard in 3, each under 11 of 40 steps
     with pytest.raises(AssertionError, match="PLS"):
         recsys_checks.lost_at_most(run, 0.0)  # the check can fail
     reference = recsys_train("reference")
