@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
 from recovery import rowfiles
 from recovery.files import fsync_dir
@@ -33,48 +32,58 @@ class Flusher(ShardRowsSaver):
         self.half = half
         for s in self.shards:
             (self.dir / f"shard{s}").mkdir(parents=True, exist_ok=True)
-        self._dirty: list[np.ndarray] = []
+        # one flag per row of each table (a byte, like the held rows' state): dirty since the last flush
+        self._dirty = [np.zeros(spec.num_rows, bool) for spec in store.tables.specs]
         self.num_flushes = 0
         self.suspended = False
 
     def observe(self, t: int, ids: np.ndarray) -> None:
         """Rows of table ``t`` updated this step (any shard: only this writer's are kept)."""
-        ids = self.mine(t, ids)
-        if len(ids):
-            self._dirty.append(rowkeys.pack(t, ids))
+        self._dirty[t][self.mine(t, ids)] = True
+
+    def _clean(self) -> None:
+        for d in self._dirty:
+            d[:] = False
 
     def suspend(self) -> None:
         """After a trainer restart the rows dirtied before it are unknown: no flush until the next
         checkpoint (a flush that missed them would claim rows it does not hold)."""
         self.suspended = True
-        self._dirty = []
+        self._clean()
 
     def on_checkpoint(self, step: int) -> None:
         if self.suspended:  # the checkpoint holds every row as of ``step``: the chain starts again
             self.suspended = False
-            self._dirty = []
+            self._clean()
 
     def flush(self, step: int) -> int:
         """Copy every row dirtied since the last flush and hand it to the background writer; -> rows."""
         if self.suspended:
             return 0
         self.writer.wait()  # flushes land in order, and the previous one is whole before the next
-        keys = np.unique(np.concatenate(self._dirty)) if self._dirty else np.empty(0, np.int64)
-        self._dirty = []
-        tables, ids = rowkeys.unpack(keys)  # sorted by key: grouped by table, ids sorted
-        bounds = np.searchsorted(tables, np.arange(len(self.store.tables.specs) + 1))
-        by_table = {t: ids[bounds[t] : bounds[t + 1]] for t in range(len(bounds) - 1) if bounds[t + 1] > bounds[t]}
-        rows = self.store.read_many(by_table)  # one read (held rows) for every table
-        groups: dict[int, list] = {s: [] for s in self.shards}
-        for t, tids in by_table.items():
-            for s, pos in enumerate(self.store.shard_map.split(t, tids)):
-                if len(pos) and s in groups:
-                    groups[s].append((t, tids[pos], rows[t][pos]))
+        by_table = {}
+        for t, d in enumerate(self._dirty):
+            ids = np.flatnonzero(d)
+            if len(ids):
+                by_table[t] = ids
+                d[ids] = False
+        rows = self.store.read_many(by_table)  # the pause: one copy of the rows held (no Redis read)
         dims = [spec.dim for spec in self.store.tables.specs]
-        for s in sorted(self.shards):
-            self.writer.submit(self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups[s], dims, self.half)
+
+        def write() -> None:  # in the background: split by shard, encode, write
+            groups: dict[int, list] = {s: [] for s in self.shards}
+            for t, tids in by_table.items():
+                for s, pos in enumerate(self.store.shard_map.split(t, tids)):
+                    if len(pos) and s in groups:
+                        groups[s].append((t, tids[pos], rows[t][pos]))
+            for s in sorted(self.shards):
+                self.writer.write(
+                    self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups[s], dims, self.half
+                )
+
+        self.writer.run(write)
         self.num_flushes += 1
-        return len(keys)
+        return sum(len(ids) for ids in by_table.values())
 
 
 def flush_files(directory: Path, shard: int, after_step: int) -> list[Path]:

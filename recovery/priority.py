@@ -31,38 +31,43 @@ from recovery.rowfiles import ShardRowsSaver
 
 class RowCounts:
     """Updates per row since the last checkpoint (accounting of what a priority save holds), kept
-    sparse: memory grows with the rows updated since the checkpoint, not with the tables."""
+    sparse: memory grows with the rows updated since the checkpoint, not with the tables.
+
+    The training thread only appends (``observe``) and hands the appended keys over (``take``);
+    merging and totals run on one other thread (the saver's writer), so they cost no pause."""
 
     def __init__(self) -> None:
         self.keys = np.empty(0, np.int64)  # sorted
         self.counts = np.empty(0, np.int64)
         self._pending: list[np.ndarray] = []
-        self._pending_n = 0
+        self.pending_n = 0
 
     def observe(self, t: int, ids: np.ndarray) -> None:
         self._pending.append(rowkeys.pack(t, ids))
-        self._pending_n += len(ids)
-        if self._pending_n > max(1 << 16, len(self.keys)):
-            self._merge()
+        self.pending_n += len(ids)
 
-    def _merge(self) -> None:
-        if not self._pending:
+    def take(self) -> list[np.ndarray]:
+        """The keys observed since the last take (to ``merge`` elsewhere)."""
+        pending, self._pending, self.pending_n = self._pending, [], 0
+        return pending
+
+    def merge(self, chunks: list[np.ndarray]) -> None:
+        if not chunks:
             return
-        keys = np.concatenate([self.keys, *self._pending])
-        counts = np.concatenate([self.counts, np.ones(self._pending_n, np.int64)])
-        self._pending, self._pending_n = [], 0
+        n = sum(len(c) for c in chunks)
+        keys = np.concatenate([self.keys, *chunks])
+        counts = np.concatenate([self.counts, np.ones(n, np.int64)])
         self.keys, inv = np.unique(keys, return_inverse=True)
         self.counts = np.bincount(inv, weights=counts, minlength=len(self.keys)).astype(np.int64)
 
     def reset(self) -> None:
         self.keys, self.counts = np.empty(0, np.int64), np.empty(0, np.int64)
-        self._pending, self._pending_n = [], 0
 
     def total(self, groups: list[tuple[int, np.ndarray]]) -> int:
-        self._merge()
-        if not len(self.keys):
+        """Updates of the rows ``groups`` counted so far (merged: call after ``merge``)."""
+        if not len(self.keys) or not groups:
             return 0
-        keys = np.concatenate([rowkeys.pack(t, ids) for t, ids in groups]) if groups else np.empty(0, np.int64)
+        keys = np.concatenate([rowkeys.pack(t, ids) for t, ids in groups])
         pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
         hit = self.keys[pos] == keys
         return int(self.counts[pos[hit]].sum())
@@ -198,13 +203,19 @@ class PrioritySaver(ShardRowsSaver):
         self.saved_rows: dict[int, list[tuple[int, np.ndarray]]] = {}  # shard -> [(table, ids)] of the newest save
         self.num_saves = 0
 
+    MERGE_EVERY = 1 << 18  # observed keys handed to the writer thread to merge (bounds memory)
+
     def observe(self, t: int, ids: np.ndarray) -> None:
         ids = self.mine(t, ids)
         self.tracker.observe(t, ids)
         self.counts.observe(t, ids)
+        if self.counts.pending_n > self.MERGE_EVERY:
+            chunks = self.counts.take()
+            self.writer.run(lambda: self.counts.merge(chunks))
 
     def on_checkpoint(self, step: int) -> None:
-        self.counts.reset()
+        self.counts.take()  # counted before the checkpoint: it holds them
+        self.writer.run(self.counts.reset)
 
     def save(self, step: int) -> int:
         """Copy this writer's shards' selected rows as of now (at a step boundary) and hand them to
@@ -217,14 +228,21 @@ class PrioritySaver(ShardRowsSaver):
         tables = sorted({t for per in sel.values() for t in per})
         # one read for every shard and table (held rows), then each shard's part of it
         rows = self.store.read_many({t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables})
-        offset = dict.fromkeys(tables, 0)
+        chunks = self.counts.take()
+
+        def write() -> None:  # in the background: the update counts, then one file per shard
+            self.counts.merge(chunks)
+            offset = dict.fromkeys(tables, 0)
+            for s, per in sel.items():
+                groups = []
+                for t, ids in per.items():
+                    groups.append((t, ids, rows[t][offset[t] : offset[t] + len(ids)]))
+                    offset[t] += len(ids)
+                saved = self.counts.total(list(per.items()))
+                self.writer.write(self.dir / f"shard{s}.bin", step, saved, groups, dims, self.half)
+
+        self.writer.run(write)
         for s, per in sel.items():
-            groups = []
-            for t, ids in per.items():
-                groups.append((t, ids, rows[t][offset[t] : offset[t] + len(ids)]))
-                offset[t] += len(ids)
-            saved = self.counts.total(list(per.items()))
-            self.writer.submit(self.dir / f"shard{s}.bin", step, saved, groups, dims, self.half)
             self.saved_rows[s] = list(per.items())
             total += sum(len(ids) for ids in per.values())
         self.num_saves += 1

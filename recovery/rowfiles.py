@@ -99,17 +99,23 @@ class RowFileWriter:
         self.seconds = 0.0  # background time: encoding, writing, fsync
 
     def submit(self, path: Path, step: int, updates: int, groups, dims: list[int], half: bool = False) -> None:
-        def work() -> None:
-            t0 = time.perf_counter()
-            data = encode(step, updates, groups, dims, half)
-            write_atomic(path, data)
-            with self._lock:
-                self.bytes_written += len(data)
-                self.files += 1
-                self.seconds += time.perf_counter() - t0
+        """Write one rows file in the background."""
+        self.run(lambda: self.write(path, step, updates, groups, dims, half))
 
+    def run(self, work) -> None:
+        """Run ``work()`` on the writer's thread (after what was handed over before it)."""
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._pool.submit(work))
+
+    def write(self, path: Path, step: int, updates: int, groups, dims: list[int], half: bool = False) -> None:
+        """Encode and write one rows file durably (on the writer's thread: call it from ``run``)."""
+        t0 = time.perf_counter()
+        data = encode(step, updates, groups, dims, half)
+        write_atomic(path, data)
+        with self._lock:
+            self.bytes_written += len(data)
+            self.files += 1
+            self.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Every file handed over so far is on disk (errors surface here)."""
