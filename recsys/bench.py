@@ -236,7 +236,7 @@ def bench_sweep(args) -> list[dict]:
     planner's interval for ``--target-pls`` is added to the intervals and marked; beside each
     measured PLS, the planner's prediction (from the MTBF) and the same model with the number of
     failures actually drawn."""
-    from recovery.planner import expected_pls, plan_interval
+    from recovery.planner import expected_loss_steps, expected_pls, plan_interval
     from recsys.launch import run
 
     out = Path(args.out)
@@ -266,7 +266,7 @@ def bench_sweep(args) -> list[dict]:
     for strategy, k, d in tqdm(runs, desc="sweep", unit="run"):
         name = f"{strategy}-{k}" + (f"-draw{d}" if args.draws > 1 else "")
         cfg = _config(args, out / name, strategy, schedules[d], checkpoint_every=k)
-        summaries[(strategy, k, d)] = run(cfg)
+        summaries[(strategy, k, d)] = (args.reuse and _finished(cfg)) or run(cfg)
     ref = summaries[("none", 0, 0)]
     rows = []
     for strategy, k, d in runs[1:]:
@@ -281,7 +281,9 @@ def bench_sweep(args) -> list[dict]:
                 "draw": d,
                 "planner": k == planned,
                 "predicted_pls": round(expected_pls(lost_every, args.mtbf, args.shards), 5) if modeled else "",
-                "predicted_pls_drawn": round(n_fail * lost_every / (2 * args.shards * args.steps), 5)
+                "predicted_pls_drawn": round(
+                    n_fail * expected_loss_steps(lost_every, args.mtbf, args.shards) / (args.shards * args.steps), 5
+                )
                 if modeled
                 else "",
             }
@@ -313,6 +315,19 @@ def per_interval(rows: list[dict]) -> list[dict]:
         mean = {c: round(float(np.mean([r[c] for r in rs])), 5) for c in ("overhead_pct", "auc_change", "pls")}
         out.append({"strategy": strategy, "interval": k, "planner": rs[0]["planner"], "draws": len(rs), **mean})
     return out
+
+
+def _finished(cfg) -> dict | None:
+    """--reuse: the summary of a finished run of exactly this config in its folder, if there is one."""
+    from recsys.config import RunConfig
+
+    folder = Path(cfg.train.out)
+    try:
+        if RunConfig.from_toml(folder / "config.toml").to_dict() != cfg.to_dict():
+            return None
+        return json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError, ConfigError):
+        return None
 
 
 def sweep_verdict(rows: list[dict], ref: dict, tolerance: float) -> str:
@@ -560,6 +575,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mtbf", type=float, default=200.0, help="--sweep: mean steps between shard failures")
     ap.add_argument("--intervals", default="50,100,200,400", help="--sweep: comma-separated checkpoint intervals")
     ap.add_argument("--draws", type=int, default=1, help="--sweep: independent failure draws (each run per draw)")
+    ap.add_argument(
+        "--reuse", action="store_true", help="--sweep: keep finished runs of the same config in --out (re-analyse)"
+    )
     ap.add_argument(
         "--sweep-strategies",
         default="full,partial,partial-mfu,partial-ssu,incremental,log",

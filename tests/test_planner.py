@@ -16,7 +16,14 @@ def test_interval_is_monotone_in_failure_rate_and_target():
 
 def test_plan_numbers():
     p = plan_interval(1000, 0.01, 4, 3.0)
-    assert p.interval == 80 and p.expected_pls == pytest.approx(0.01) and p.overhead == pytest.approx(3 / 80)
+    # E[loss] = 4000 (1 - (1 - e^-x) / x), x = 80 / 4000: 39.735 steps at T = 81 ((T - 1) / 2 = 40 without repeats)
+    assert p.interval == 81 and p.expected_pls == pytest.approx(39.7351 / 4000, rel=1e-4)
+    assert expected_pls(82, 1000, 4) > 0.01 and p.overhead == pytest.approx(3 / 81)
+    # frequent failures: repeats of one shard inside an interval make the loss smaller than (T - 1) / 2
+    x = 99 / 200
+    assert expected_pls(100, 50, 4) == pytest.approx(200 * (1 - (1 - np.exp(-x)) / x) / 200, rel=1e-9)
+    assert expected_pls(1, 50, 4) == 0.0  # a checkpoint every step: a failure loses nothing
+    assert plan_interval(50, 0.2, 4, 1.0).interval > 2 * 4 * 0.2 * 50
     assert p.young_interval == pytest.approx(np.sqrt(6000))
     assert plan_interval(10, 0.001, 1, 1.0).interval == 1  # never below one step
     assert plan_interval(1e6, 0.5, 8, 1.0, max_interval=200).interval == 200
@@ -32,16 +39,18 @@ def simulate_pls(interval, mtbf, shards, steps, batch, seed):
     share of the updates since the last checkpoint (accounting as in the recovery manager)."""
     rng = np.random.default_rng(seed)
     fail_steps = np.flatnonzero(rng.random(steps) < 1.0 / mtbf) + 1
-    lost = []
+    lost, previous = [], {}
     for s in fail_steps:
-        since = (s - 1) - ((s - 1) // interval) * interval  # completed steps since the checkpoint
+        k = int(rng.integers(shards))
+        base = max(((s - 1) // interval) * interval, previous.get(k, 0))  # lost once: since the later
+        since = (s - 1) - base  # completed steps since the checkpoint or the shard's previous failure
+        previous[k] = s - 1
         updates = rng.multinomial(since * 1000, [1 / shards] * shards) if since else np.zeros(shards)
-        k = rng.integers(shards)
         lost.append(lost_samples(since * batch, int(updates[k]), int(updates.sum())))
     return pls(lost, steps * batch)
 
 
-@pytest.mark.parametrize("mtbf, target, shards", [(200, 0.01, 4), (1000, 0.002, 8), (100, 0.05, 2)])
+@pytest.mark.parametrize("mtbf, target, shards", [(200, 0.01, 4), (1000, 0.002, 8), (100, 0.05, 2), (20, 0.3, 4)])
 def test_planned_interval_meets_the_target_in_a_simulated_schedule(mtbf, target, shards):
     plan = plan_interval(mtbf, target, shards, 1.0)
     sims = [simulate_pls(plan.interval, mtbf, shards, 200_000, 64, seed) for seed in range(5)]
