@@ -43,6 +43,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _clone(state):
+    """A copy of a (nested) state dict's tensors, detached from training."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_clone(v) for v in state)
+    return state
+
+
 def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
     """Copy with fsync, hashing the bytes on the way; returns (sha256, bytes)."""
     h, n = hashlib.sha256(), 0
@@ -215,27 +228,35 @@ class Checkpointer:
         return int(info["rdb_saves"])
 
     def finish(self, step: int, dense_state: dict, meta: dict) -> SaveStats:
-        """Every trainer, after ``begin`` committed: the dense state (DCP), then the copy off the path."""
-        import torch.distributed.checkpoint as dcp
-
+        """Every trainer, after ``begin`` committed. The dense state is replicated over the trainers
+        (DDP): rank 0 copies it (the pause) and a background thread writes it (DCP), copies the
+        snapshots and writes the manifest, off the training path."""
         if self._begun is None or self._begun[0] != step:
             raise RecoveryError(f"checkpoint step {step}: finish without begin")
         _, t0, saves_before = self._begun
         self._begun = None
         stats = SaveStats(step=step)
         path = self.path(step)
-        dcp.save(dense_state, checkpoint_id=str(path / "dense"))
-        stats.pause_s = time.perf_counter() - t0
         if self.rank == 0:
+            dense = _clone(dense_state)  # training moves the live tensors on at once
+            stats.pause_s = time.perf_counter() - t0
             self._thread = threading.Thread(
-                target=self._finish, args=(step, path, saves_before, meta, stats, t0), name="checkpoint", daemon=True
+                target=self._finish,
+                args=(step, path, saves_before, meta, stats, t0, dense),
+                name="checkpoint",
+                daemon=True,
             )
             self._thread.start()
+        else:
+            stats.pause_s = time.perf_counter() - t0
         self.history.append(stats)
         return stats
 
-    def _finish(self, step, path, saves_before, meta, stats, t0) -> None:
+    def _finish(self, step, path, saves_before, meta, stats, t0, dense) -> None:
+        import torch.distributed.checkpoint as dcp
+
         try:
+            dcp.save(dense, checkpoint_id=str(path / "dense"), no_dist=True)  # rank 0 alone: no collective
             files = {}
             for s, before in saves_before.items():  # every fork has written its file: from here on no shard is needed
                 if isinstance(before, int) and s in self.local and not self.network_only:
@@ -299,7 +320,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         path = self.path(step)
-        dcp.load(dense_state, checkpoint_id=str(path / "dense"))
+        dcp.load(dense_state, checkpoint_id=str(path / "dense"), no_dist=True)  # rank 0 wrote it for all
         return json.loads((path / "meta.json").read_text())
 
     def candidates(self) -> list[Checkpoint]:
