@@ -1,7 +1,8 @@
 """The recovery manager and its commit protocol: every store call of a run goes through it.
 
 Every trainer holds one. A phase of a step (stage rows, write the sparse update, checkpoint,
-priority save, evaluate, final digest, restart rollback) runs its store calls under ``guard``:
+evaluate, final digest, restart rollback) runs its store calls under ``guard``, and so do a
+writer's priority saves and flushes (a failure they meet is seen at the next commit point):
 a shard that fails is recorded, not raised. At the phase's commit point (``commit``, a MAX
 all-reduce of per-shard flags) every trainer sees the same failed set and they recover together;
 rank 0 does the work (replacement process, restore, log replay, priority overlay) and then tells
@@ -13,6 +14,9 @@ Strategies (``recovery.strategy.Strategy``):
   verified checkpoint; other shards and the dense model keep their state. Updates to the shard since
   that checkpoint are lost and counted.
 - ``partial-mfu`` / ``partial-ssu``: as ``partial``, then the newest priority save is overlaid.
+- ``incremental``: as ``partial``, then every flush since the checkpoint, in order: the shard is as
+  of the last flush. Before rank 0 reads any of these files (or a log), every trainer's background
+  writes are waited for (``settle``).
 - ``log``: as ``partial``, then the shard's update log is replayed up to the failure: nothing lost.
 - ``full``: every shard is restored from the checkpoint, and the trainers roll the dense state and
   the readers back to it (``Outcome.to_step``) and recompute from there.
