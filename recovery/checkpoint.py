@@ -29,6 +29,7 @@ import redis
 
 from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import ShardSpec
+from recovery.dense import clone_state
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.files import fsync_dir, write_atomic
 
@@ -41,19 +42,6 @@ def sha256_file(path: Path) -> str:
         while block := f.read(1 << 22):
             h.update(block)
     return h.hexdigest()
-
-
-def _clone(state):
-    """A copy of a (nested) state dict's tensors, detached from training."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_clone(v) for v in state)
-    return state
 
 
 def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
@@ -238,7 +226,7 @@ class Checkpointer:
         stats = SaveStats(step=step)
         path = self.path(step)
         if self.rank == 0:
-            dense = _clone(dense_state)  # training moves the live tensors on at once
+            dense = clone_state(dense_state)  # training moves the live tensors on at once
             stats.pause_s = time.perf_counter() - t0
             self._thread = threading.Thread(
                 target=self._finish,

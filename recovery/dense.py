@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 
-def _clone(obj):
+def clone_state(obj):
+    """A copy of a (nested) state dict's tensors, detached from training."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        return {k: clone_state(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
+        return type(obj)(clone_state(v) for v in obj)
     return obj
 
 
@@ -43,7 +44,7 @@ class DenseSaver:
         self.wait()
         if not self.writer:
             return
-        snapshot = {"namespace": self.namespace, "step": step, **_clone(state())}
+        snapshot = {"namespace": self.namespace, "step": step, **clone_state(state())}
         self._thread = threading.Thread(target=self._write, args=(snapshot,), name="dense-save", daemon=True)
         self._thread.start()
 
