@@ -98,10 +98,6 @@ class RowFileWriter:
         self.files = 0
         self.seconds = 0.0  # background time: encoding, writing, fsync
 
-    def submit(self, path: Path, step: int, updates: int, groups, dims: list[int], half: bool = False) -> None:
-        """Write one rows file in the background."""
-        self.run(lambda: self.write(path, step, updates, groups, dims, half))
-
     def run(self, work) -> None:
         """Run ``work()`` on the writer's thread (after what was handed over before it)."""
         self._pending = [f for f in self._pending if not f.done()]

@@ -576,18 +576,19 @@ class Trainer:
             if w is not None:
                 w.wait()
         rec = self.recovery
-        self._saved_bytes = self.coll.sum_floats(
+        # bytes every trainer wrote (logs, priority saves, flushes), summed in one collective
+        saved = self.coll.sum_floats(
             np.array(
                 [
+                    sum(x.bytes_written for x in logs),
                     rec.priority.bytes_written if rec.priority is not None else 0,
                     rec.flusher.bytes_written if rec.flusher is not None else 0,
                 ],
                 dtype=np.float64,
             )
         )
-        log_bytes = self.coll.sum_floats(np.array([sum(x.bytes_written for x in logs)], dtype=np.float64))[0]
         log_us = self.coll.max_flags(np.array([int(1e6 * sum(x.seconds for x in logs))], dtype=np.int64))[0]
-        log_totals = np.array([log_bytes, log_us / 1e6])
+        totals = np.array([saved[0], log_us / 1e6, saved[1], saved[2]])  # log bytes, log s, priority, flush bytes
         res: dict = {}
 
         def final(only) -> None:
@@ -598,7 +599,7 @@ class Trainer:
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
-        summary = self.summary(wall, res["eval"], res["digest"], log_totals)
+        summary = self.summary(wall, res["eval"], res["digest"], totals)
         if self.cfg.train.save_model:
             state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
             state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})
@@ -609,7 +610,7 @@ class Trainer:
         self.out.finish(summary)
         return out, summary
 
-    def summary(self, wall: float, final: dict, digest: str, log_totals: np.ndarray) -> dict:
+    def summary(self, wall: float, final: dict, digest: str, totals: np.ndarray) -> dict:
         cfg, steps, G = self.cfg, self.steps, self.batch_size
         ckpt, rec = self.checkpointer, self.recovery
         fired = self.injector.fired() if self.injector is not None else []
@@ -643,16 +644,16 @@ class Trainer:
                 }
                 for s in (ckpt.history if ckpt is not None else [])
             ],
-            "log_bytes": int(log_totals[0]),
-            "log_seconds": round(float(log_totals[1]), 4),
+            "log_bytes": int(totals[0]),
+            "log_seconds": round(float(totals[1]), 4),
             "checkpoint_every": self.schedule.every,
             "checkpoint_plan": self.schedule.plan,
             "priority_saves": len(self.priority_pauses),
             "priority_pause_s": round(sum(self.priority_pauses), 4),
-            "priority_bytes": int(self._saved_bytes[0]),
+            "priority_bytes": int(totals[2]),
             "flushes": len(self.flush_pauses),
             "flush_pause_s": round(sum(self.flush_pauses), 4),
-            "flush_bytes": int(self._saved_bytes[1]),
+            "flush_bytes": int(totals[3]),
             "step_ms": self.clock.per_step_ms(steps),
             "dense_saves": self.dense_saver.num_saves,
             "dense_save_seconds": round(self.dense_saver.seconds, 4),
