@@ -29,10 +29,20 @@ def keyed_hash(key: int, ids: np.ndarray) -> np.ndarray:
         return mix64(ids ^ seed)
 
 
-def hash_uniform(key: int, ids: np.ndarray, width: int) -> np.ndarray:
-    """[n, width] float32 uniform in [0, 1), a pure function of (key, id, column)."""
+def keyed_hash_many(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``keyed_hash(keys[i], ids[i])`` per element, for many keys in one pass; [n] uint64."""
+    keys = np.asarray(keys, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        base = keyed_hash(key, ids)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        seeds = mix64((uniq + np.uint64(1)) * GOLDEN)
+        return mix64(np.asarray(ids, dtype=np.uint64) ^ seeds[inverse.reshape(-1)])
+
+
+def hash_uniform(key: int | np.ndarray, ids: np.ndarray, width: int) -> np.ndarray:
+    """[n, width] float32 uniform in [0, 1), a pure function of (key, id, column); ``key`` may be
+    one key or one per id."""
+    with np.errstate(over="ignore"):
+        base = keyed_hash(key, ids) if np.ndim(key) == 0 else keyed_hash_many(key, ids)
         cols = np.arange(width, dtype=np.uint64) * GOLDEN
         bits = mix64(base[:, None] + cols[None, :])
     # top 24 bits -> exactly representable in float32

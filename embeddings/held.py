@@ -1,14 +1,16 @@
 """Rows a trainer writes, held in its own memory (write-through).
 
 Each shard has a single writer, so the rows it wrote are exactly what the shard holds until the
-next write, unless recovery changes the shard behind its back. ``HeldRows`` keeps, per table, a
-dense ``[num_rows, dim + state]`` array and each row's state (unknown, held, known never written), for the rows of the shards this
-trainer writes: an update reads current rows (weights and optimizer state) from here instead of
+next write, unless recovery changes the shard behind its back. ``HeldRows`` keeps one dense
+``[rows of all held tables, dim + state]`` float32 array (table t from its base offset) and each
+row's state (unknown, held, known never written), for the rows of the shards this trainer writes,
+so that one gather serves a whole batch of packed row keys: an update reads current rows (weights and optimizer state) from here instead of
 re-reading them from Redis, and a stage of the next batch reads them from here too. Rows enter
 only after the write that put them on their shard succeeded; any restore, rollback or reconnect
 of a shard forgets everything (``clear``), and the next reads go to Redis again.
 
-Tables whose array would not fit ``budget_bytes`` (with those before them) are not held.
+Tables that would not fit ``budget_bytes`` (with those before them), or whose row width differs
+from the first table's, are not held.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 
 import numpy as np
 
+from embeddings import rowkeys
 from embeddings.tables import TableSet
 
 UNKNOWN, HELD, ABSENT = 0, 1, 2  # ABSENT: read as never written; only its writer could write it
@@ -25,61 +28,88 @@ UNKNOWN, HELD, ABSENT = 0, 1, 2  # ABSENT: read as never written; only its write
 class HeldRows:
     def __init__(self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int) -> None:
         self.shards = set(shards)
-        self._rows: dict[int, np.ndarray] = {}
-        self._held: dict[int, np.ndarray] = {}
-        used = 0
+        # one flat [rows, width] array for every held table (one gather serves a whole batch); table t
+        # starts at _base[t], or is not held (-1): over the budget, or a row width unlike the first's
+        self.width = widths[0]
+        self._base = np.full(len(tables.specs), -1, np.int64)
+        total = 0
         for t, spec in enumerate(tables.specs):
-            size = spec.num_rows * widths[t] * 4
-            if used + size > budget_bytes:
+            if widths[t] != self.width or (total + spec.num_rows) * self.width * 4 > budget_bytes:
                 continue
-            used += size
-            self._rows[t] = np.empty((spec.num_rows, widths[t]), np.float32)  # pages touched as rows arrive
-            self._held[t] = np.zeros(spec.num_rows, np.int8)  # UNKNOWN, HELD or ABSENT
-        self.bytes = used
+            self._base[t] = total
+            total += spec.num_rows
+        self._rows = np.empty((total, self.width), np.float32)  # pages touched as rows arrive
+        self._state = np.zeros(total, np.int8)  # UNKNOWN, HELD or ABSENT per row
+        self.bytes = total * self.width * 4
         self.hits = 0
         self.generation = 0  # bumped by clear(): what a read learned before it is void
         self._lock = threading.Lock()
 
     def holds(self, table: int) -> bool:
-        return table in self._rows
+        return bool(self._base[table] >= 0)
+
+    def flat(self, keys: np.ndarray) -> np.ndarray | None:
+        """Positions in the flat arrays of packed row keys (``embeddings.rowkeys``); -1 where the
+        key's table is not held. None when no table is held."""
+        if not len(self._rows):
+            return None
+        tables, ids = rowkeys.unpack(keys)
+        base = self._base[tables]
+        return np.where(base >= 0, base + ids, -1)
+
+    def lookup_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> (positions of ``keys`` held here, their rows [n, width], positions known never written)."""
+        at = self.flat(keys)
+        if at is None:
+            return np.empty(0, np.int64), np.empty((0, self.width), np.float32), np.empty(0, np.int64)
+        known = np.where(at >= 0, self._state[np.maximum(at, 0)], UNKNOWN)
+        pos = np.flatnonzero(known == HELD)
+        self.hits += len(pos)
+        return pos, self._rows[at[pos]], np.flatnonzero(known == ABSENT)
 
     def lookup(self, table: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """-> (positions of ``ids`` held here, their rows, positions known never written), or None
         when the table is not held."""
-        state = self._held.get(table)
-        if state is None:
+        if not self.holds(table):
             return None
-        known = state[ids]
-        pos = np.flatnonzero(known == HELD)
-        self.hits += len(pos)
-        return pos, self._rows[table][ids[pos]], np.flatnonzero(known == ABSENT)
+        return self.lookup_keys(rowkeys.pack(table, np.asarray(ids, np.int64)))
+
+    def put_keys(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Rows just written to their shard (one of ``shards``)."""
+        at = self.flat(keys)
+        if at is None:
+            return
+        mine = at >= 0
+        with self._lock:
+            if mine.all():
+                self._rows[at] = rows
+                self._state[at] = HELD
+            else:
+                self._rows[at[mine]] = rows[mine]
+                self._state[at[mine]] = HELD
 
     def put(self, table: int, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Rows just written to their shard (one of ``shards``)."""
-        if table in self._rows:
-            with self._lock:
-                self._rows[table][ids] = rows
-                self._held[table][ids] = HELD
+        if self.holds(table):
+            self.put_keys(rowkeys.pack(table, np.asarray(ids, np.int64)), rows)
 
     def absent(self, table: int, ids: np.ndarray, generation: int) -> None:
         """Rows of ``shards`` that a read (begun at ``generation``) found never written. A row written
         or forgotten since that read began keeps its state."""
-        if table in self._held:
+        if self.holds(table):
+            at = self._base[table] + np.asarray(ids, np.int64)
             with self._lock:
                 if generation != self.generation:
                     return
-                state = self._held[table]
-                ids = ids[state[ids] == UNKNOWN]
-                state[ids] = ABSENT
+                at = at[self._state[at] == UNKNOWN]
+                self._state[at] = ABSENT
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""
-        if table in self._held:
+        if self.holds(table):
             with self._lock:
-                self._held[table][ids] = ABSENT
+                self._state[self._base[table] + np.asarray(ids, np.int64)] = ABSENT
 
     def clear(self) -> None:
         with self._lock:
             self.generation += 1
-            for state in self._held.values():
-                state[:] = UNKNOWN
+            self._state[:] = UNKNOWN

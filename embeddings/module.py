@@ -2,13 +2,19 @@
 
 ``StoreEmbeddingBagCollection`` takes a ``KeyedJaggedTensor`` and returns a ``KeyedTensor`` like
 ``torchrec.EmbeddingBagCollection``, so ``torchrec.models.dlrm.DLRM`` accepts it in its place.
-Rows are not module parameters: each forward pulls the unique rows of the batch from the store
-as a leaf tensor ``[num_unique, dim]``; after ``loss.backward()`` that tensor's gradient is the
-per-row gradient, which ``apply_gradients()`` hands to the store's optimizer (the store is the
-single writer of its rows). Call it once per step, after backward.
+Rows are not module parameters. A batch is handled in packed row keys (``embeddings.rowkeys``:
+table index and row id in one int64), every table at once: the batch's keys are made unique once
+(``batch_keys``, shared by stage, prefetch and forward), forward pulls their rows from the store as
+one leaf tensor ``[num_unique, dim]`` and pools every feature with one ``embedding_bag`` call. After
+``loss.backward()`` that tensor's gradient is the per-row gradient: ``pop_key_grads()`` hands it to
+the caller (the trainer aggregates it over trainers), ``apply_gradients()`` to the store's
+optimizer (the store is the single writer of its rows). Every table of one module has one
+embedding dim and one pooling mode.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,9 +23,34 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from embeddings import rowkeys
+from embeddings.errors import RowRangeError
 from embeddings.store import EmbeddingStore
 
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+@dataclass
+class BatchKeys:
+    """One batch's rows, worked out once: what stage, prefetch and forward of the batch share."""
+
+    keys: np.ndarray
+    """Sorted unique packed row keys of every table, [U] int64."""
+    inverse: torch.Tensor
+    """Per looked-up value (the module's features, feature-major), its position in ``keys``; [N]."""
+    offsets: torch.Tensor
+    """Bag offsets over ``inverse``: [num_features * B + 1]."""
+    batch_size: int
+
+
+def sum_by_key(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Gradients of possibly repeated keys summed per key: -> (sorted unique keys, [U, dim])."""
+    if len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1])):
+        return keys, grads
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    summed = torch.zeros((len(uniq), grads.shape[1]), dtype=grads.dtype)
+    summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grads)
+    return uniq, summed
 
 
 class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -42,14 +73,26 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     f"table {c.name!r}: config has {c.num_embeddings} rows x {c.embedding_dim} dim, "
                     f"store has {spec.num_rows} x {spec.dim}"
                 )
+        for what, kinds in (
+            ("embedding dim", {c.embedding_dim for c in tables}),
+            ("pooling", {c.pooling for c in tables}),
+        ):
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"StoreEmbeddingBagCollection: one {what} for every table, got {sorted(map(str, kinds))}"
+                )
         self._configs = list(tables)
         self._names = get_embedding_names_by_table(tables)
         self.store = store
-        # where forward gets rows: the store, or a Prefetcher in front of it
+        # where forward gets rows: the store, or a stage/prefetch in front of it (``pull_keys``)
         self.row_source = row_source if row_source is not None else store
-        # per forward with grad: table name -> (unique ids [n] int64, leaf rows [n, dim])
-        self._pending: list[dict[str, tuple[np.ndarray, torch.Tensor]]] = []
-        self._unique_cache: list[tuple[KeyedJaggedTensor, dict]] = []
+        self.dim = tables[0].embedding_dim
+        self._mode = _MODES[tables[0].pooling]
+        # per feature, in output order: (feature name, store table index, rows)
+        self._features = [(f, store.tables.index(c.name), c.num_embeddings) for c in tables for f in c.feature_names]
+        # per forward with grad: (packed keys [U], per table present a leaf of its rows, in key order)
+        self._pending: list[tuple[np.ndarray, list[torch.Tensor]]] = []
+        self._cache: list[tuple[KeyedJaggedTensor, BatchKeys]] = []
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -57,79 +100,100 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def is_weighted(self) -> bool:
         return False
 
-    def _unique(self, features: KeyedJaggedTensor, jagged) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per table: (sorted unique ids, inverse), computed once per batch (prefetch, stage and
-        forward of one batch share it; the two newest batches are kept)."""
-        for f, u in self._unique_cache:
+    def batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
+        """The batch's unique row keys and lookups (computed once per batch; the two newest kept)."""
+        for f, ctx in self._cache:
             if f is features:
-                return u
-        unique = {}
-        for c in self._configs:
-            values = torch.cat([jagged[f].values() for f in c.feature_names])
-            unique[c.name] = torch.unique(values, return_inverse=True)
-        self._unique_cache = [(features, unique), *self._unique_cache[:1]]
-        return unique
+                return ctx
+        ctx = self._batch_keys(features)
+        self._cache = [(features, ctx), *self._cache[:1]]
+        return ctx
 
-    def unique_ids(self, features: KeyedJaggedTensor) -> dict[str, np.ndarray]:
-        """Per table: the sorted unique row ids that ``forward(features)`` will pull."""
-        return {name: u.numpy() for name, (u, _) in self._unique(features, features.to_dict()).items()}
+    def _batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
+        names = [f for f, _, _ in self._features]
+        if features.keys() == names:  # the usual case: the batch holds exactly these features, in order
+            values, lengths, batch = features.values(), features.length_per_key(), features.stride()
+            offsets = features.offsets()
+        else:
+            jagged = features.to_dict()
+            missing = [f for f in names if f not in jagged]
+            if missing:
+                raise KeyError(f"features {missing} are not in the batch (it has {features.keys()})")
+            parts = [jagged[f] for f in names]
+            values = torch.cat([p.values() for p in parts])
+            lengths = [p.values().numel() for p in parts]
+            batch = len(parts[0].lengths())
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([p.lengths() for p in parts]).cumsum(0)])
+        if len(offsets) != len(names) * batch + 1:
+            raise ValueError(f"batch has {len(offsets) - 1} bags for {len(names)} features x batch {batch}")
+        counts = torch.tensor(lengths, dtype=torch.int64)
+        limit = torch.repeat_interleave(torch.tensor([n for _, _, n in self._features], dtype=torch.int64), counts)
+        values = values.to(torch.int64)
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(counts.cumsum(0), torch.tensor(i), right=True))
+            name, t, n = self._features[f]
+            raise RowRangeError(
+                f"table {self.store.tables.specs[t].name!r} (feature {name!r}): row id {int(values[i])} out of range [0, {n})"
+            )
+        base = torch.repeat_interleave(torch.tensor([t << rowkeys.ROW_BITS for _, t, _ in self._features]), counts)
+        uniq, inverse = torch.unique(values + base, return_inverse=True)
+        return BatchKeys(uniq.numpy(), inverse, offsets.to(torch.int64), batch)
+
+    def unique_keys(self, features: KeyedJaggedTensor) -> np.ndarray:
+        """The sorted unique packed row keys that ``forward(features)`` will pull."""
+        return self.batch_keys(features).keys
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        jagged = features.to_dict()
-        unique = self._unique(features, jagged)
-        rows = self.row_source.pull_many({name: u.numpy() for name, (u, _) in unique.items()})
-
+        ctx = self.batch_keys(features)
+        rows = torch.from_numpy(self.row_source.pull_keys(ctx.keys))  # [U, dim] float32, every table
         track = torch.is_grad_enabled() and self.training
-        pooled, keys, dims, step = [], [], [], {}
-        for c, names in zip(self._configs, self._names):
-            u, inverse = unique[c.name]
-            weight = torch.from_numpy(rows[c.name])  # [num_unique, dim] float32
-            if track:
-                weight.requires_grad_(True)
-                step[c.name] = (u.numpy(), weight)
-            start = 0
-            for f, name in zip(c.feature_names, names):
-                jt = jagged[f]
-                n = jt.values().numel()
-                pooled.append(
-                    F.embedding_bag(
-                        inverse[start : start + n],
-                        weight,
-                        jt.offsets(),
-                        mode=_MODES[c.pooling],
-                        include_last_offset=True,
-                    )
-                )  # [B, dim]
-                start += n
-                keys.append(name)
-                dims.append(c.embedding_dim)
+        # one leaf per table, each feature pooled by its own call: the gradient of a table's rows sums
+        # its features' contributions in the order torchrec's EmbeddingBagCollection sums them
+        leaves = {}
+        for t, (_, lo, hi) in rowkeys.table_groups(ctx.keys).items():
+            leaves[t] = (rows[lo:hi].requires_grad_(True) if track else rows[lo:hi], lo)
         if track:
-            self._pending.append(step)
-        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(pooled, dim=1), key_dim=1)
+            self._pending.append((ctx.keys, [leaf for leaf, _ in leaves.values()]))
+        pooled, start, batch = [], 0, ctx.batch_size
+        for i, (_, t, _) in enumerate(self._features):
+            end = int(ctx.offsets[(i + 1) * batch])
+            leaf, lo = leaves.get(t, (rows[:0], 0))
+            bag_offsets = ctx.offsets[i * batch : (i + 1) * batch + 1] - start
+            pooled.append(
+                F.embedding_bag(
+                    ctx.inverse[start:end] - lo, leaf, bag_offsets, mode=self._mode, include_last_offset=True
+                )
+            )  # [B, dim]
+            start = end
+        keys = [name for names in self._names for name in names]
+        return KeyedTensor(keys=keys, length_per_key=[self.dim] * len(keys), values=torch.cat(pooled, dim=1), key_dim=1)
 
-    def sparse_grads(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-        """Per table: (row ids [n], gradients [n, dim]) of the forwards since the last apply."""
-        ids: dict[str, list[np.ndarray]] = {}
-        grads: dict[str, list[torch.Tensor]] = {}
-        for step in self._pending:
-            for name, (u, weight) in step.items():
-                if weight.grad is None:
-                    continue
-                ids.setdefault(name, []).append(u)
-                grads.setdefault(name, []).append(weight.grad)
-        return {name: (np.concatenate(ids[name]), torch.cat(grads[name])) for name in ids}
+    def pop_key_grads(self) -> tuple[np.ndarray, torch.Tensor]:
+        """Per-row gradients of the forwards since the last pop, then forgotten: (packed keys [n],
+        gradients [n, dim]); a key appears once per forward that pulled it."""
+        keys, grads = [], []
+        for k, leaves in self._pending:
+            if all(leaf.grad is not None for leaf in leaves):
+                keys.append(k)
+                grads.append(torch.cat([leaf.grad for leaf in leaves]))
+        self._pending = []
+        if not keys:
+            return np.empty(0, np.int64), torch.empty((0, self.dim))
+        return np.concatenate(keys), torch.cat(grads)
 
     def pop_sparse_grads(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-        """``sparse_grads()``, then forget them (the caller applies them, e.g. after aggregation)."""
-        grads = self.sparse_grads()
-        self._pending = []
-        return grads
+        """``pop_key_grads`` per table: table name -> (row ids [n], gradients [n, dim]), summed per row."""
+        keys, grads = sum_by_key(*self.pop_key_grads())
+        names = self.store.tables.names
+        return {names[t]: (ids, grads[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()}
 
     def apply_gradients(self) -> None:
         """Send this step's per-row gradients to the store's optimizer, then forget them."""
-        grads = self.pop_sparse_grads()
-        if grads:
-            self.store.update_many(grads)
+        keys, grads = sum_by_key(*self.pop_key_grads())
+        if len(keys):
+            self.store.apply_keys(keys, grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pending = []

@@ -3,7 +3,12 @@
 Layout: one Redis string per row, key ``{namespace}:{table_index}:`` followed by the row id as
 8 bytes big-endian, value the row's ``[dim + state_width]`` little-endian float32 bytes (fixed
 width per table). Bulk reads and writes go through ``embeddings.wire`` (numpy-encoded pipelined
-MGET/MSET); shards are served in parallel from a thread pool (socket I/O releases the GIL).
+MGET/MSET); reads of several shards run in parallel from a thread pool (socket I/O releases the
+GIL), a step's writes are sent to every shard before any reply is read (``write_step``).
+
+Per shard, bookkeeping keys ``{namespace}:meta:applied`` (the last step whose update the shard
+applied) and ``{namespace}:meta:undo`` (that step's rows as they were before it, for a rollback of
+one step after a trainer restart).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from embeddings import rowkeys
 from embeddings.cluster import is_cluster_url, node_url, owner_of, owners, seed_urls, shard_tags
 from embeddings.errors import (
     ShardDataError,
@@ -31,6 +37,7 @@ from embeddings.errors import (
 )
 from embeddings.held import HeldRows
 from embeddings.optim import RowOptimizer
+from embeddings.rowinit import init_rows_keys
 from embeddings.shard_map import ShardMap
 from embeddings.store import IdsByTable, StoreBase
 from embeddings.tables import TableSet
@@ -99,6 +106,7 @@ class RedisStore(StoreBase):
         kwargs.update(connection_kwargs or {})
         self._kwargs = kwargs
         self._tags: list[str] | None = None
+        self._scales = np.array([spec.scale for spec in tables], np.float32)  # lazy init per table
         self.held: HeldRows | None = None
         self._from_redis = 0  # > 0: reads skip held rows (evaluation, digest: what the tier holds)
         if self.cluster is not None:
@@ -169,6 +177,9 @@ class RedisStore(StoreBase):
             raise ShardDataError(f"shard {shard} at {endpoint}: {msg}") from None
 
     def _on_shards(self, work: dict[int, Callable[[], T]]) -> dict[int, T]:
+        if len(work) == 1:  # one shard: no hop through the pool
+            ((s, fn),) = work.items()
+            return {s: self._call(s, fn)}
         futures = {s: self._pool.submit(self._call, s, fn) for s, fn in work.items()}
         # collect every result before raising so no call outlives this one
         results, first_error = {}, None
@@ -260,6 +271,85 @@ class RedisStore(StoreBase):
             return run
 
         self._on_shards({s: push_to(s, g) for s, g in plan.items()})
+
+    def read_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of sorted packed keys: held rows by one gather, never-written rows by the lazy init,
+        the rest read from their shards."""
+        if self.held is None or self._from_redis or not len(keys):
+            return super().read_keys(keys)
+        t0 = int(keys[0] >> rowkeys.ROW_BITS)
+        out = np.empty((len(keys), self.width(t0)), np.float32)
+        pos, rows, absent = self.held.lookup_keys(keys)
+        out[pos] = rows
+        if len(absent):
+            dim = self.tables.specs[t0].dim
+            out[absent, :dim] = init_rows_keys(self.seed, keys[absent], dim, self._scales)
+            out[absent, dim:] = 0.0
+        if len(pos) + len(absent) < len(keys):
+            rest = np.ones(len(keys), bool)
+            rest[pos] = False
+            rest[absent] = False
+            idx = np.flatnonzero(rest)
+            out[idx] = super().read_keys(keys[idx])
+        return out
+
+    def _store_keys(self, keys, rows, step=None, undo=None) -> None:
+        failed = self.write_step(keys, rows, self.shard_map.shard_of_keys(keys), step, undo)
+        if failed:
+            raise next(iter(failed.values()))
+
+    def write_step(
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        shards: np.ndarray,
+        step: int | None = None,
+        undo: np.ndarray | None = None,
+    ) -> dict[int, ShardUnavailableError]:
+        """Sorted packed keys (``shards``: the shard of each) and their rows [n, width]. With ``step``,
+        each shard gets, in this order on one connection: the step's undo record (the rows' previous
+        values), the rows, the step's applied marker. A writer that dies part way leaves the marker
+        at the step before and the undo record of this step, which ``rollback`` applies: the shard is
+        never left half-way (no MULTI/EXEC, whose queueing costs the server about a third more per
+        row). Every shard's commands are sent from this thread before any reply is read, so the
+        servers apply them in parallel. -> the shards that failed, with their error;
+        the others are written (and held)."""
+        failed: dict[int, ShardUnavailableError] = {}
+        sent = []
+        with contextlib.ExitStack() as locks:
+            for s in np.unique(shards).tolist():
+                at = slice(None) if shards[0] == shards[-1] == s else np.flatnonzero(shards == s)
+                k, r = keys[at], rows[at]
+                groups = rowkeys.table_groups(k)
+                args = [(self.prefix(t, s), ids, r[lo:hi]) for t, (ids, lo, hi) in groups.items()]
+                first, last = [], []  # undo record before the rows, applied marker after them
+                if step is not None:
+                    if undo is not None:
+                        u = undo[at]
+                        blob = encode_groups(step, [(t, ids, u[lo:hi]) for t, (ids, lo, hi) in groups.items()])
+                        first.append([b"SET", self.meta_key("undo", s), blob])
+                    last.append([b"SET", self.meta_key("applied", s), b"%d" % step])
+                try:
+                    self._call(s, lambda s=s: locks.enter_context(self._bulk(s)))
+                    reply = self._call(s, lambda s=s, a=args, f=first, la=last: self._wires[s].send_rows(a, f, la))
+                except ShardUnavailableError as e:
+                    failed[s] = self._timed(s, e)
+                    continue
+                sent.append((s, k, r, reply))
+            for s, k, r, reply in sent:
+                try:
+                    self._call(s, lambda s=s, reply=reply: self._wires[s].finish(reply))
+                except ShardUnavailableError as e:
+                    failed[s] = self._timed(s, e)
+                    continue
+                if self.held is not None and s in self.held.shards:  # written: now held as written
+                    self.held.put_keys(k, r)
+        return failed
+
+    def _timed(self, shard: int, error: ShardUnavailableError) -> ShardUnavailableError:
+        if isinstance(error, ShardTimeoutError):  # as ``_bulk`` does: calls queued behind it fail at once
+            self._timed_out[shard] = time.monotonic()
+        return error
 
     @contextlib.contextmanager
     def _bulk(self, shard: int):
@@ -412,16 +502,21 @@ class RedisStore(StoreBase):
         return self._call(shard, run)
 
     def rollback(self, shard: int, to_step: int) -> int:
-        """Undo the one step a shard applied after ``to_step`` (its undo record); returns rows restored."""
+        """Back to ``to_step``: undo the one step a shard applied after it, or the rows a writer that
+        died part way through step ``to_step + 1`` left (marker still at ``to_step``, undo record of
+        ``to_step + 1``). Returns rows restored."""
         self._forget()
-        applied = self.applied_step(shard)
-        if applied is None or applied <= to_step:
+        applied = self.applied_step(shard) or 0  # never applied: cut short in its first step, or untouched
+        if applied < to_step:
             return 0
         blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo", shard)))
-        if blob is None:
+        if applied == to_step:  # complete at to_step, unless a write of to_step + 1 was cut short
+            if not blob or decode_groups(blob)[0] != to_step + 1:
+                return 0
+        elif blob is None:
             raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
-        undo_step, groups = decode_groups(blob)
-        if undo_step != applied or applied != to_step + 1:
+        undo_step, groups = decode_groups(blob) if blob else (None, [])
+        if undo_step != to_step + 1 or applied not in (to_step, to_step + 1):
             raise ShardDataError(
                 f"shard {shard} at {self.endpoints[shard]}: at step {applied}, cannot roll back to {to_step} "
                 f"(undo record is for step {undo_step}; one step can be undone)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from data.hashing import hash_uniform
+from embeddings import rowkeys
 
 
 def init_rows(seed: int, table_index: int, ids: np.ndarray, dim: int, scale: float) -> np.ndarray:
@@ -17,3 +18,11 @@ def init_rows(seed: int, table_index: int, ids: np.ndarray, dim: int, scale: flo
     # one key per (seed, table): distinct seeds or tables give unrelated rows
     u = hash_uniform(seed * 1_000_003 + table_index, np.asarray(ids, dtype=np.int64), dim)
     return (u * np.float32(2.0) - np.float32(1.0)) * np.float32(scale)
+
+
+def init_rows_keys(seed: int, keys: np.ndarray, dim: int, scales: np.ndarray) -> np.ndarray:
+    """[n, dim] float32 initial weights of packed row keys of any tables (``scales``: float32 per
+    table), in one pass; equal to ``init_rows`` table by table."""
+    tables, ids = rowkeys.unpack(np.asarray(keys, np.int64))
+    u = hash_uniform(np.int64(seed) * 1_000_003 + tables, ids, dim)
+    return (u * np.float32(2.0) - np.float32(1.0)) * scales[tables][:, None]

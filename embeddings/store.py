@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from embeddings import rowkeys
 from embeddings.errors import DimMismatchError, RowRangeError
 from embeddings.optim import RowOptimizer
 from embeddings.rowinit import init_rows
@@ -160,6 +161,36 @@ class StoreBase:
         new = {t: (uniq[t], self.optimizer.apply(torch.from_numpy(current[t]), summed[t]).numpy()) for t in uniq}
         self._store(new, step=step, undo=current if step is not None else None)
         return {self.tables.specs[t].name: v for t, v in new.items()}
+
+    # -- packed row keys (``embeddings.rowkeys``): a batch of every table in one array -------------
+    def read_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Rows (weights and optimizer state) of sorted packed keys: [n, width] float32."""
+        split = rowkeys.by_table(keys)
+        rows = self._fetch_filled({t: ids for t, (ids,) in split.items()})
+        width = self.width(int(keys[0] >> rowkeys.ROW_BITS)) if len(keys) else 0
+        return np.concatenate([rows[t] for t in split]) if split else np.empty((0, width), np.float32)
+
+    def pull_keys(self, keys: np.ndarray) -> np.ndarray:
+        """[n, dim] float32 weights of sorted packed keys (one forward's rows of every table)."""
+        rows = self.read_keys(keys)
+        dim = self.tables.specs[int(keys[0] >> rowkeys.ROW_BITS)].dim if len(keys) else 0
+        return rows[:, :dim]
+
+    def apply_keys(self, keys: np.ndarray, grads: torch.Tensor, step: int | None = None) -> np.ndarray:
+        """The optimizer on sorted unique packed keys with ``grads`` [n, dim], in one pass over every
+        table: -> the new rows [n, width], as written. ``step`` as in ``update_many``."""
+        current = self.read_keys(keys)
+        new = self.optimizer.apply(torch.from_numpy(current), grads).numpy()
+        self._store_keys(keys, new, step=step, undo=current if step is not None else None)
+        return new
+
+    def _store_keys(self, keys, rows, step=None, undo=None) -> None:
+        split = rowkeys.by_table(keys, rows, *(() if undo is None else (undo,)))
+        self._store(
+            {t: (v[0], v[1]) for t, v in split.items()},
+            step=step,
+            undo=None if undo is None else {t: v[2] for t, v in split.items()},
+        )
 
     def write_rows(self, table: str, ids, rows) -> None:
         t, arr = self._ids(table, ids)

@@ -240,21 +240,45 @@ class RowConnection:
         body = self._take(n + 2)
         return body[:n]
 
+    def send_rows(
+        self, groups: list[tuple[bytes, np.ndarray, np.ndarray]], first: list[list[bytes]], last: list[list[bytes]]
+    ) -> bytes:
+        """Send ``first`` commands, the rows, then ``last`` commands (each answering +OK), pipelined
+        and in that order but not as one transaction: a sender that dies part way leaves a prefix
+        of them applied. -> the reply to expect, for ``finish``; between the two the server works
+        while the caller sends to other shards."""
+        return self._run(lambda: self._send_rows(groups, list(first), list(last)))
+
+    def finish(self, reply: bytes) -> None:
+        """The receiving half of ``send_rows``: read the server's acknowledgement of every command."""
+        self._run(lambda: self._expect(reply))
+
     def _set_rows(self, groups, extra):
-        parts, num_cmds, total = [], 0, 0
+        if extra:
+            self._expect(self._send_tx(groups, extra))
+        else:
+            self._expect(self._send_rows(groups, [], []))
+        return sum(len(ids) for _, ids, _ in groups)
+
+    @staticmethod
+    def _row_commands(groups) -> list[bytes]:
+        parts = []
         for prefix, ids, rows in groups:
             args = np.concatenate([key_args(prefix, ids), value_args(rows)], axis=1)
             for lo in range(0, len(ids), CHUNK):
                 a = args[lo : lo + CHUNK]
                 parts.append(_command(b"MSET", 2 * len(a), a))
-                num_cmds += 1
-            total += len(ids)
-        if not extra:
-            self._send(b"".join(parts))
-            self._expect(b"+OK\r\n" * num_cmds)
-            return total
+        return parts
+
+    def _send_rows(self, groups, first, last) -> bytes:
+        parts = [encode_command(c) for c in first] + self._row_commands(groups) + [encode_command(c) for c in last]
+        self._send(b"".join(parts))
+        return b"+OK\r\n" * len(parts)
+
+    def _send_tx(self, groups, extra) -> bytes:
+        parts = self._row_commands(groups)
+        num_cmds = len(parts)
         parts += [encode_command(c) for c in extra]
         num_cmds += len(extra)
         self._send(b"*1\r\n$5\r\nMULTI\r\n" + b"".join(parts) + b"*1\r\n$4\r\nEXEC\r\n")
-        self._expect(b"+OK\r\n" + b"+QUEUED\r\n" * num_cmds + b"*%d\r\n" % num_cmds + b"+OK\r\n" * num_cmds)
-        return total
+        return b"+OK\r\n" + b"+QUEUED\r\n" * num_cmds + b"*%d\r\n" % num_cmds + b"+OK\r\n" * num_cmds

@@ -36,10 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import torch
 
-from embeddings import RedisStore, ShardDataError, ShardUnavailableError
+from embeddings import RedisStore, ShardDataError, ShardUnavailableError, rowkeys
 from embeddings.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard
 from recovery import incremental, priority
 from recovery.accounting import UpdateCounter, lost_samples
@@ -198,19 +200,23 @@ class RecoveryManager:
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
     # -- accounting ------------------------------------------------------------------------------
-    def count_updates(self, updated: dict[str, np.ndarray], step: int | None = None) -> None:
-        per_shard = np.zeros(self.store.num_shards, dtype=np.int64)
-        for name, ids in updated.items():
-            t = self.store.tables.index(name)
-            per_shard += np.bincount(self.store.shard_map.shard_of(t, ids), minlength=self.store.num_shards)
-            if self.priority is not None:
-                self.priority.observe(t, ids)
-            if self.flusher is not None:
-                self.flusher.observe(t, ids)
-        self.counter.add(per_shard)
+    def count_updates(self, updated, step: int | None = None) -> None:
+        """The rows a step updated: sorted packed keys and their shards (``StepUpdate.updated_keys``,
+        ``updated_shards``) as a pair, or a dict table name -> ids."""
+        keys, shards = updated if isinstance(updated, tuple) else self._keys_of(updated)
+        self.counter.add(np.bincount(shards, minlength=self.store.num_shards).astype(np.int64))
+        if self.priority is not None or self.flusher is not None:
+            for t, (ids,) in rowkeys.by_table(keys).items():
+                for w in (self.priority, self.flusher):
+                    if w is not None:
+                        w.observe(t, ids)
         if step is not None and self.strategy.promotes:
             self._recent[step] = self.counter.total.copy()
             self._recent.pop(step - RECENT, None)
+
+    def _keys_of(self, ids_by_name: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        keys, _ = rowkeys.from_tables({self.store.tables.index(n): ids for n, ids in ids_by_name.items()})
+        return keys, self.store.shard_map.shard_of_keys(keys)
 
     def on_checkpoint(self, step: int) -> None:
         self.counter.mark(step)
@@ -241,44 +247,70 @@ class RecoveryManager:
         for s in range(self.store.num_shards):
             ShardLog(self.log_dir, s).drop_before(oldest)
 
-    def log_step(self, step: int, written: dict[str, tuple[np.ndarray, np.ndarray]]) -> int:
-        """Group-commit this step's written rows to the logs of the shards this trainer writes."""
-        if not self.logs:
+    def log_step(self, step: int, shard: int, keys: np.ndarray, rows: np.ndarray) -> int:
+        """Group-commit this step's rows written to ``shard`` (sorted packed keys) to its log."""
+        log = self.logs.get(shard)
+        if log is None:
             return 0
-        groups: dict[int, list] = {s: [] for s in self.logs}
-        for name, (ids, rows) in written.items():
-            t = self.store.tables.index(name)
-            for s, pos in enumerate(self.store.shard_map.split(t, ids)):
-                if len(pos) and s in groups:
-                    groups[s].append((t, ids[pos], rows[pos]))
-        return sum(self.logs[s].append_step(step, g) for s, g in groups.items() if g)
+        return log.append_step(step, [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()])
 
-    def apply(self, owned: dict[str, tuple[np.ndarray, object]], step: int, only=None) -> None:
-        """Write this step's rows of the shards this trainer owns, each shard on its own (a failed
-        shard does not stop the others), then group-commit them to the shards' logs."""
+    def apply(self, owned, step: int, only=None) -> None:
+        """Write this step's rows of the shards this trainer owns, then group-commit them to the
+        shards' logs. ``owned``: a ``StepUpdate`` (sorted packed keys, gradients, shards) or a dict
+        table name -> (ids, grads). The optimizer runs once over every shard's rows and the shards
+        are written in parallel; a failed shard is recorded and does not stop the others."""
         for log in self.logs.values():
             log.wait()  # the previous step's records are written before this step's rows move
-        per_shard: dict[int, dict] = {}
-        for name, (ids, grads) in owned.items():
-            t = self.store.tables.index(name)
-            for s, pos in enumerate(self.store.shard_map.split(t, ids)):
-                if len(pos) and (only is None or s in only):
-                    per_shard.setdefault(s, {})[name] = (ids[pos], grads[pos])
-
-        def write(s: int, sub: dict) -> None:
-            ok, written = self.guard(lambda: self.store.update_many(sub, step=step))
-            if ok:
-                self.log_step(step, written)
-            if ok and self.replica_wait and self.store.has_replica(s):
-                ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
-                self.unacked_waits += int(ok and acked < 1)
-
-        if len(per_shard) <= 1:
-            for s, sub in per_shard.items():
-                write(s, sub)
+        if isinstance(owned, dict):
+            owned = self._update_of(owned)
+        keys, grads, shards = owned.keys, owned.grads, owned.shards
+        if only is not None:
+            at = np.flatnonzero(np.isin(shards, list(only)))
+            keys, grads, shards = keys[at], grads[torch.from_numpy(at)], shards[at]
+        if not len(keys):
             return
-        for f in [self._pool.submit(write, s, sub) for s, sub in per_shard.items()]:
-            f.result()
+        try:
+            current = self.store.read_keys(keys)  # held rows: no I/O
+        except ShardUnavailableError:  # some rows had to come from a shard that is down: shard by shard
+            self._apply_by_shard(keys, grads, shards, step)
+            return
+        new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
+        failed = self.store.write_step(keys, new, shards, step, undo=current)
+        for s in failed:
+            self._fail(s)
+        if self.logs or self.replica_wait:
+            for s in np.unique(shards).tolist():
+                if s not in failed:
+                    at = np.flatnonzero(shards == s)
+                    self._written(s, step, keys[at], new[at])
+
+    def _written(self, s: int, step: int, keys: np.ndarray, rows: np.ndarray) -> None:
+        self.log_step(step, s, keys, rows)
+        if self.replica_wait and self.store.has_replica(s):
+            ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
+            self.unacked_waits += int(ok and acked < 1)
+
+    def _apply_by_shard(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
+        for s in np.unique(shards).tolist():
+            at = np.flatnonzero(shards == s)
+            ok, written = self.guard(lambda at=at: self.store.apply_keys(keys[at], grads[torch.from_numpy(at)], step))
+            if ok:
+                self._written(s, step, keys[at], written)
+
+    def _update_of(self, grads_by_name: dict) -> SimpleNamespace:
+        """table name -> (ids, grads [n, dim]) as sorted unique keys, summed gradients and shards."""
+        keys, order = rowkeys.from_tables({self.store.tables.index(n): ids for n, (ids, _) in grads_by_name.items()})
+        blocks = [
+            torch.as_tensor(np.asarray(g, np.float32))
+            for _, (_, g) in sorted(
+                ((self.store.tables.index(n), v) for n, v in grads_by_name.items()), key=lambda x: x[0]
+            )
+        ]
+        g = torch.cat(blocks)[torch.from_numpy(order)]
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
+        summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)), g)
+        return SimpleNamespace(keys=uniq, grads=summed, shards=self.store.shard_map.shard_of_keys(uniq))
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self, failed: list[int], step: int, phase: str) -> int | None:

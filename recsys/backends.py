@@ -27,28 +27,24 @@ class StagedRows:
 
     def __init__(self, source) -> None:
         self.source = source
-        self._staged: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+        self._staged: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def tables(self):
         return self.source.tables
 
-    def stage(self, requests: dict[str, np.ndarray]) -> None:
+    def stage(self, keys: np.ndarray) -> None:
         self._staged = None
-        self._staged = (requests, self.source.pull_many(requests))
+        self._staged = (keys, self.source.pull_keys(keys))
 
     def clear(self) -> None:
         self._staged = None
 
-    def pull_many(self, requests: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def pull_keys(self, keys: np.ndarray) -> np.ndarray:
         staged, self._staged = self._staged, None
-        if (
-            staged is not None
-            and staged[0].keys() == requests.keys()
-            and all(np.array_equal(staged[0][t], requests[t]) for t in requests)
-        ):
+        if staged is not None and (staged[0] is keys or np.array_equal(staged[0], keys)):
             return staged[1]
-        return self.source.pull_many(requests)
+        return self.source.pull_keys(keys)
 
 
 class StoreBackend:
@@ -75,24 +71,17 @@ class StoreBackend:
 
     def prefetch(self, batch: Batch | None) -> None:
         if self.prefetcher is not None and batch is not None:
-            self.prefetcher.prefetch(self.ebc.unique_ids(batch.sparse_features))
+            self.prefetcher.prefetch(self.ebc.unique_keys(batch.sparse_features))
 
     def stage(self, batch: Batch) -> None:
         """Pull this batch's rows now (a shard failure surfaces here, before any compute)."""
-        self.stager.stage(self.ebc.unique_ids(batch.sparse_features))
+        self.stager.stage(self.ebc.unique_keys(batch.sparse_features))
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""
-        update = aggregate(
-            self.ebc.pop_sparse_grads(),
-            self.names,
-            self.cfg.model.embedding_dim,
-            self.store.shard_map,
-            self.world_size,
-            self.rank,
-        )
+        update = aggregate(*self.ebc.pop_key_grads(), self.store.shard_map, self.world_size, self.rank)
         if self.prefetcher is not None:
-            self.prefetcher.invalidate(update.updated)
+            self.prefetcher.invalidate(update.updated_keys)
         return update
 
     def fresh_start(self) -> None:

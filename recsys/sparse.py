@@ -16,30 +16,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from embeddings import rowkeys
 from embeddings.shard_map import ShardMap
 
 
 @dataclass
 class StepUpdate:
-    owned: dict[str, tuple[np.ndarray, torch.Tensor]]
-    """Rows this trainer writes: table -> (ids, global gradient [n, dim])."""
-    updated: dict[str, np.ndarray]
-    """Every row updated this step by any trainer: table -> ids."""
+    """One step's sparse update, in packed row keys (``embeddings.rowkeys``), sorted."""
 
-
-def pack(
-    grads: dict[str, tuple[np.ndarray, torch.Tensor]], names: list[str], dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    keys, blocks = [], []
-    for t, name in enumerate(names):
-        if name in grads:
-            ids, g = grads[name]
-            keys.append(torch.from_numpy(rowkeys.pack(t, np.asarray(ids, np.int64))))
-            blocks.append(g.detach().to(torch.float32).reshape(-1, dim))
-    if not keys:
-        return torch.empty(0, dtype=torch.int64), torch.empty((0, dim), dtype=torch.float32)
-    return torch.cat(keys), torch.cat(blocks)
+    keys: np.ndarray
+    """Rows this trainer writes: [n] int64 keys."""
+    grads: torch.Tensor
+    """Their global gradients, [n, dim] float32."""
+    shards: np.ndarray
+    """Shard of each of ``keys``, [n] int64."""
+    updated_keys: np.ndarray
+    """Every row updated this step by any trainer, [m] int64 keys."""
+    updated_shards: np.ndarray
+    """Shard of each of ``updated_keys``."""
 
 
 def all_gather_rows(keys: torch.Tensor, grads: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,27 +57,20 @@ def all_gather_rows(keys: torch.Tensor, grads: torch.Tensor, world_size: int) ->
     )
 
 
-def aggregate(
-    grads: dict[str, tuple[np.ndarray, torch.Tensor]],
-    names: list[str],
-    dim: int,
-    shard_map: ShardMap,
-    world_size: int,
-    rank: int,
-) -> StepUpdate:
-    keys, g = all_gather_rows(*pack(grads, names, dim), world_size)
-    uniq, inverse = torch.unique(keys, return_inverse=True)
-    summed = torch.zeros((len(uniq), dim), dtype=torch.float32)
-    summed.index_add_(0, inverse, g)
-    if world_size > 1:
-        summed /= world_size
-    tables, rows = (x.numpy() for x in rowkeys.unpack(uniq))
-    owned, updated = {}, {}
-    for t in np.unique(tables).tolist():
-        sel = np.flatnonzero(tables == t)
-        ids = rows[sel]
-        updated[names[t]] = ids
-        mine = (shard_map.shard_of(t, ids) % world_size) == rank
-        if mine.any():
-            owned[names[t]] = (ids[mine], summed[torch.from_numpy(sel[mine])])
-    return StepUpdate(owned=owned, updated=updated)
+def aggregate(keys: np.ndarray, grads: torch.Tensor, shard_map: ShardMap, world_size: int, rank: int) -> StepUpdate:
+    """This trainer's per-row gradients (packed keys [n], grads [n, dim]) summed over trainers."""
+    k, g = all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32), world_size)
+    if world_size == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
+        uniq, summed = k, g  # one forward's rows: already sorted and unique
+    else:
+        uniq, inverse = torch.unique(k, return_inverse=True)
+        summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
+        summed.index_add_(0, inverse, g)
+        if world_size > 1:
+            summed /= world_size
+    keys_all = uniq.numpy()
+    shards = shard_map.shard_of_keys(keys_all)
+    if world_size == 1:
+        return StepUpdate(keys_all, summed, shards, keys_all, shards)
+    mine = np.flatnonzero(shards % world_size == rank)
+    return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards)

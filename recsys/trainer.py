@@ -428,13 +428,13 @@ class Trainer:
             return CONTINUE
 
         def write(only) -> None:
-            self.recovery.apply(update.owned, step, only)
+            self.recovery.apply(update, step, only)
             if self.injector is not None:
                 self.injector.mid_step(step)
 
         out = self.recovery.run_phase(step, "update", write)
         if not out.rolled_back:
-            self.recovery.count_updates(update.updated, step)
+            self.recovery.count_updates((update.updated_keys, update.updated_shards), step)
         return out
 
     def after_step(self, loss: torch.Tensor) -> Outcome:
