@@ -318,7 +318,8 @@ class RedisStore(StoreBase):
         sent = []
         with contextlib.ExitStack() as locks:
             for s in np.unique(shards).tolist():
-                at = slice(None) if shards[0] == shards[-1] == s else np.flatnonzero(shards == s)
+                mine = shards == s
+                at = slice(None) if mine.all() else np.flatnonzero(mine)
                 k, r = keys[at], rows[at]
                 groups = rowkeys.table_groups(k)
                 args = [(self.prefix(t, s), ids, r[lo:hi]) for t, (ids, lo, hi) in groups.items()]

@@ -55,6 +55,13 @@ def test_apply_keys_with_held_rows_equals_per_table_updates(shards3, namespace):
         with fast.from_redis():
             np.testing.assert_array_equal(fast.read_keys(every), ref.read_keys(every))
         assert fast.applied_steps() == ref.applied_steps() == [5, 5, 5]
+        # every row on its own shard only: the same keys per shard as the per-table path wrote
+        for s in range(3):
+            on = [
+                sorted(k.split(b":", 1)[1] for k in st.client(s).scan_iter(match=st._match(s), count=1000))
+                for st in (fast, ref)
+            ]
+            assert on[0] == on[1] and len(on[0]) > 10
         fast.clear()
         ref.clear()
 
