@@ -90,7 +90,11 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._mode = _MODES[tables[0].pooling]
         # per feature, in output order: (feature name, store table index, rows)
         self._features = [(f, store.tables.index(c.name), c.num_embeddings) for c in tables for f in c.feature_names]
-        # per forward with grad: (packed keys [U], per table present a leaf of its rows, in key order)
+        self._one_feature_per_table = len({t for _, t, _ in self._features}) == len(self._features)
+        # per forward with grad: (packed keys [U], leaves of their rows in key order: one for every
+        # table, or with several features on a table one per table, each feature pooled by its own
+        # call, so that a table's row gradient sums its features' contributions in the order
+        # torchrec's EmbeddingBagCollection sums them)
         self._pending: list[tuple[np.ndarray, list[torch.Tensor]]] = []
         self._cache: list[tuple[KeyedJaggedTensor, BatchKeys]] = []
 
@@ -149,14 +153,22 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ctx = self.batch_keys(features)
         rows = torch.from_numpy(self.row_source.pull_keys(ctx.keys))  # [U, dim] float32, every table
         track = torch.is_grad_enabled() and self.training
-        # one leaf per table, each feature pooled by its own call: the gradient of a table's rows sums
-        # its features' contributions in the order torchrec's EmbeddingBagCollection sums them
+        keys = [name for names in self._names for name in names]
+        num, batch = len(self._features), ctx.batch_size
+        if self._one_feature_per_table:  # each row is looked up by one feature: pool all in one call
+            if track:
+                rows.requires_grad_(True)
+                self._pending.append((ctx.keys, [rows]))
+            pooled = F.embedding_bag(ctx.inverse, rows, ctx.offsets, mode=self._mode, include_last_offset=True)
+            # [num_features * B, dim], feature-major -> [B, num_features * dim]
+            values = pooled.view(num, batch, self.dim).transpose(0, 1).reshape(batch, num * self.dim)
+            return KeyedTensor(keys=keys, length_per_key=[self.dim] * num, values=values, key_dim=1)
         leaves = {}
         for t, (_, lo, hi) in rowkeys.table_groups(ctx.keys).items():
             leaves[t] = (rows[lo:hi].requires_grad_(True) if track else rows[lo:hi], lo)
         if track:
             self._pending.append((ctx.keys, [leaf for leaf, _ in leaves.values()]))
-        pooled, start, batch = [], 0, ctx.batch_size
+        pooled, start = [], 0
         for i, (_, t, _) in enumerate(self._features):
             end = int(ctx.offsets[(i + 1) * batch])
             leaf, lo = leaves.get(t, (rows[:0], 0))
@@ -167,8 +179,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 )
             )  # [B, dim]
             start = end
-        keys = [name for names in self._names for name in names]
-        return KeyedTensor(keys=keys, length_per_key=[self.dim] * len(keys), values=torch.cat(pooled, dim=1), key_dim=1)
+        return KeyedTensor(keys=keys, length_per_key=[self.dim] * num, values=torch.cat(pooled, dim=1), key_dim=1)
 
     def pop_key_grads(self) -> tuple[np.ndarray, torch.Tensor]:
         """Per-row gradients of the forwards since the last pop, then forgotten: (packed keys [n],
