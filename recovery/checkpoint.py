@@ -293,6 +293,11 @@ class Checkpointer:
             time.sleep(0.01)
         raise RecoveryError(f"shard {spec.index} (port {spec.port}): snapshot not done in {self.snapshot_timeout_s}s")
 
+    def settle(self) -> None:
+        """Block until the checkpoint in flight is complete (its error stays for ``wait``)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def wait(self) -> None:
         """Block until the checkpoint in flight is complete; re-raise its error."""
         if self._thread is not None:

@@ -211,8 +211,11 @@ class Injector:
         return rec["kind"] if rec is not None else "shard"
 
     # -- firing -------------------------------------------------------------------------------
-    def at_step(self, step: int, latest_checkpoint_file=None) -> None:
-        """Start of a step: step-scheduled shard kills, stalls, node failures and checkpoint corruption."""
+    def at_step(self, step: int, latest_checkpoint_file=None, settle=None) -> None:
+        """Start of a step: step-scheduled shard kills, stalls, node failures and checkpoint corruption.
+        ``settle`` (the checkpointer's) is called before a kill: a checkpoint still being written in
+        the background completes first, so ``shard:1@step=25`` finds the same checkpoints on a fast
+        machine and a slow one (a kill during a checkpoint is ``@during=checkpoint``)."""
         self.step = step
         for inj in self.injections:
             if inj.step != step or inj.t is not None or inj.during is not None or not self._mine(inj):
@@ -221,6 +224,8 @@ class Injector:
                 if latest_checkpoint_file is not None and str(inj) not in self._fired:
                     self._corrupt(inj, latest_checkpoint_file)
             elif inj.kind != "trainer":
+                if settle is not None:
+                    settle()
                 self._fire(inj)
 
     def mid_step(self, step: int) -> None:

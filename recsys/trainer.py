@@ -390,7 +390,8 @@ class Trainer:
         self._t_step = time.perf_counter()
         self.clock.start(self._t_step)
         if self.injector is not None:
-            self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0))
+            settle = self.checkpointer.settle if self.checkpointer is not None else None
+            self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0), settle)
         clock = self.clock
         out = self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
         clock.lap("rows_in")
