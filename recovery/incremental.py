@@ -86,16 +86,18 @@ class Flusher(ShardRowsSaver):
         return sum(len(ids) for ids in by_table.values())
 
 
-def flush_files(directory: Path, shard: int, after_step: int) -> list[Path]:
+def flush_files(directory: Path, shard: int, after_step: int, upto: int | None = None) -> list[Path]:
+    """The shard's flush files of steps after ``after_step`` (and at ``upto`` or before), oldest first."""
     files = sorted((Path(directory) / f"shard{shard}").glob("flush_*.bin"))
-    return [f for f in files if int(f.stem.split("_")[1]) > after_step]
+    steps = [int(f.stem.split("_")[1]) for f in files]
+    return [f for f, s in zip(files, steps) if after_step < s and (upto is None or s <= upto)]
 
 
-def replay(directory: Path, store: RedisStore, shard: int, after_step: int) -> tuple[int, int]:
-    """Overlay the shard's flushes taken after ``after_step``, oldest first.
-    -> (bytes read, the step the shard is now as of)."""
+def replay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int]:
+    """Overlay the shard's flushes taken after ``after_step`` and at ``upto`` or before, oldest
+    first. -> (bytes read, the step the shard is now as of)."""
     nbytes, as_of = 0, after_step
-    for path in flush_files(directory, shard, after_step):
+    for path in flush_files(directory, shard, after_step, upto):
         f = rowfiles.read(path)
         if f.groups:
             store.write_shard(shard, f.groups, step=f.step)
@@ -115,4 +117,14 @@ def drop_before(directory: Path, num_shards: int, step: int) -> int:
         if old:
             fsync_dir(d)
         n += len(old)
+    return n
+
+
+def drop_after(directory: Path, num_shards: int, step: int) -> int:
+    """Remove flushes taken after ``step`` (an earlier run's, or steps a restart took back); -> files removed."""
+    n = 0
+    for s in range(num_shards):
+        for f in flush_files(directory, s, step):
+            f.unlink(missing_ok=True)
+            n += 1
     return n

@@ -505,11 +505,11 @@ class RecoveryManager:
         else:
             saved = 0
             if self.priority is not None:  # partial-mfu / partial-ssu: overlay the newest priority save
-                nbytes, saved = priority.overlay(self.priority.dir, self.store, shard, base_step)
+                nbytes, saved = priority.overlay(self.priority.dir, self.store, shard, base_step, step - 1)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
             if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
-                nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step)
+                nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step, step - 1)
                 rec["restored_bytes"] += nbytes
                 rec["flushed_to_step"] = as_of
             completed = step - 1  # the interrupted step resumes on the restored shard
@@ -596,9 +596,18 @@ class RecoveryManager:
             log.truncate_after(to_step)
             log.open_segment(to_step + 1)
 
+    def _drop_saves_after(self, step: int) -> None:
+        """Rank 0: priority saves and flushes of steps after ``step`` are an earlier run's (or of steps
+        a restart took back): a restore must never overlay them."""
+        if self.priority is not None:
+            priority.drop_after(self.priority.dir, step)
+        if self.flusher is not None:
+            incremental.drop_after(self.flusher.dir, self.store.num_shards, step)
+
     def fresh_start(self) -> None:
-        """A new run (rank 0): log segments and markers in the folders are an earlier run's."""
+        """A new run (rank 0): log segments, saves and markers in the folders are an earlier run's."""
         if self.rank == 0:
+            self._drop_saves_after(0)
             if self.log_dir is not None:
                 for seg in Path(self.log_dir).glob("shard*/seg_*.log"):
                     seg.unlink()
@@ -619,6 +628,7 @@ class RecoveryManager:
         rolled: list[int] = []
         self._load_journal()
         if self.rank == 0:
+            self._drop_saves_after(step)
             if self.log_dir is not None:
                 for s in range(self.store.num_shards):
                     ShardLog(self.log_dir, s).truncate_after(step)

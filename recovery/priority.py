@@ -26,6 +26,7 @@ import numpy as np
 from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
 from recovery import rowfiles
+from recovery.errors import CorruptCheckpointError
 from recovery.rowfiles import ShardRowsSaver
 
 
@@ -249,16 +250,31 @@ class PrioritySaver(ShardRowsSaver):
         return total
 
 
-def overlay(directory: Path, store: RedisStore, shard: int, after_step: int) -> tuple[int, int]:
-    """Write the shard's newest priority save if taken after ``after_step`` (by any trainer);
-    -> (bytes, updates it saved)."""
+def overlay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int]:
+    """Write the shard's newest priority save if taken after ``after_step`` and at ``upto`` or
+    before (by any trainer); -> (bytes, updates it saved)."""
     path = Path(directory) / f"shard{shard}.bin"
     if not path.exists():
         return 0, 0
     data = path.read_bytes()
     f = rowfiles.decode(data, f"priority save {path}")
-    if f.step <= after_step:
+    if not after_step < f.step <= upto:
         return 0, 0
     if f.groups:
         store.write_shard(shard, f.groups, step=None)
     return len(data), f.updates
+
+
+def drop_after(directory: Path, step: int) -> int:
+    """Remove priority saves taken after ``step`` (an earlier run's, or steps a restart took back);
+    -> files removed."""
+    n = 0
+    for path in Path(directory).glob("shard*.bin"):
+        try:
+            newer = rowfiles.read(path).step > step
+        except (OSError, CorruptCheckpointError):
+            newer = True  # unreadable: never overlaid
+        if newer:
+            path.unlink(missing_ok=True)
+            n += 1
+    return n

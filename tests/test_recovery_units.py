@@ -357,6 +357,9 @@ def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_l
         at_flush = all_rows(store)
     train_steps(mgr, store, 9, 10, rng)
     before = all_rows(store)
+    # an earlier run's flush of a later step, left in the folder: never overlaid
+    stale = tmp_path / "incr" / "shard1" / "flush_0000000040.bin"
+    stale.write_bytes((tmp_path / "incr" / "shard1" / "flush_0000000008.bin").read_bytes())
     sh.kill(1)
     mgr.guard(lambda: store.call(1, lambda c: c.ping()))  # held rows are read without Redis
     assert mgr.recover(mgr.sync(), 11, "pull") is None
@@ -374,5 +377,27 @@ def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_l
     assert store.applied_steps()[1] == 8
     # a flush is written once per dirty row: bytes per flush far below the updates it covers
     files = sorted((tmp_path / "incr" / "shard1").glob("flush_*.bin"))
-    assert [int(f.stem.split("_")[1]) for f in files] == [5, 8]
+    assert [int(f.stem.split("_")[1]) for f in files] == [5, 8, 40]
+    mgr.fresh_start()  # a new run in the same folders: the earlier run's flushes go
+    assert not list((tmp_path / "incr").glob("shard*/flush_*.bin"))
     mgr.close()
+
+
+def test_priority_saves_of_later_steps_are_neither_overlaid_nor_kept(tmp_path):
+    """A priority save from beyond the failure (an earlier run's, or of steps a restart took back) is
+    not overlaid, and ``drop_after`` (fresh start, restart) removes it."""
+    from recovery import priority, rowfiles
+
+    d = tmp_path / "priority"
+    d.mkdir()
+    rows = np.ones((2, 9), np.float32)
+    for shard, step in ((0, 30), (1, 12)):
+        (d / f"shard{shard}.bin").write_bytes(rowfiles.encode(step, 5, [(0, np.array([1, 2]), rows)], [8]))
+
+    class NoStore:  # an overlay that applies nothing never touches the store
+        def write_shard(self, *a, **k):
+            raise AssertionError("overlaid a save from beyond the failure")
+
+    assert priority.overlay(d, NoStore(), 0, after_step=10, upto=20) == (0, 0)
+    assert priority.drop_after(d, 20) == 1
+    assert sorted(p.name for p in d.iterdir()) == ["shard1.bin"]
