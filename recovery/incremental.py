@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
 from recovery import rowfiles
 from recovery.files import fsync_dir
@@ -67,10 +68,15 @@ class Flusher(ShardRowsSaver):
             if len(ids):
                 by_table[t] = ids
                 d[ids] = False
-        rows = self.store.read_many(by_table)  # the pause: one copy of the rows held (no Redis read)
+        # the pause: one gather of the rows held (no Redis read); keys in table order are sorted
+        keys = (
+            np.concatenate([rowkeys.pack(t, ids) for t, ids in by_table.items()]) if by_table else np.empty(0, np.int64)
+        )
+        held = self.store.read_keys(keys)
         dims = [spec.dim for spec in self.store.tables.specs]
 
         def write() -> None:  # in the background: split by shard, encode, write
+            rows = {t: held[lo:hi] for t, (_, lo, hi) in rowkeys.table_groups(keys).items()}
             groups: dict[int, list] = {s: [] for s in self.shards}
             for t, tids in by_table.items():
                 for s, pos in enumerate(self.store.shard_map.split(t, tids)):

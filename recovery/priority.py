@@ -227,12 +227,21 @@ class PrioritySaver(ShardRowsSaver):
         dims = [spec.dim for spec in self.store.tables.specs]
         sel = {s: {t: ids for t, ids in self.tracker.select(s, self.budget) if len(ids)} for s in sorted(self.shards)}
         tables = sorted({t for per in sel.values() for t in per})
-        # one read for every shard and table (held rows), then each shard's part of it
-        rows = self.store.read_many({t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables})
+        # one gather of every shard's and table's rows (held rows), then each shard's part of it
+        keys, order = rowkeys.from_tables(
+            {t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables}
+        )
+        held = self.store.read_keys(keys)  # [n, width], in key order: the pause
         chunks = self.counts.take()
 
         def write() -> None:  # in the background: the update counts, then one file per shard
             self.counts.merge(chunks)
+            flat = np.empty_like(held)
+            flat[order] = held  # back to the tables' concatenation order
+            rows, lo = {}, 0
+            for t in tables:
+                n = sum(len(per[t]) for per in sel.values() if t in per)
+                rows[t], lo = flat[lo : lo + n], lo + n
             offset = dict.fromkeys(tables, 0)
             for s, per in sel.items():
                 groups = []
