@@ -38,9 +38,11 @@ class Flusher(ShardRowsSaver):
         self.num_flushes = 0
         self.suspended = False
 
-    def observe(self, t: int, ids: np.ndarray) -> None:
-        """Rows of table ``t`` updated this step (any shard: only this writer's are kept)."""
-        self._dirty[t][self.mine(t, ids)] = True
+    def observe(self, keys: np.ndarray, shards: np.ndarray) -> None:
+        """Packed row keys updated this step (any shard: only this writer's are kept) and their shards."""
+        keys, _ = self.mine_keys(keys, shards)
+        for t, (ids, _lo, _hi) in rowkeys.table_groups(keys).items():
+            self._dirty[t][ids] = True
 
     def _clean(self) -> None:
         for d in self._dirty:

@@ -205,11 +205,9 @@ class RecoveryManager:
         ``updated_shards``) as a pair, or a dict table name -> ids."""
         keys, shards = updated if isinstance(updated, tuple) else self._keys_of(updated)
         self.counter.add(np.bincount(shards, minlength=self.store.num_shards).astype(np.int64))
-        if self.priority is not None or self.flusher is not None:
-            for t, (ids,) in rowkeys.by_table(keys).items():
-                for w in (self.priority, self.flusher):
-                    if w is not None:
-                        w.observe(t, ids)
+        for w in (self.priority, self.flusher):
+            if w is not None:
+                w.observe(keys, shards)
         if step is not None and self.strategy.promotes:
             self._recent[step] = self.counter.total.copy()
             self._recent.pop(step - RECENT, None)

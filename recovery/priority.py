@@ -43,9 +43,10 @@ class RowCounts:
         self._pending: list[np.ndarray] = []
         self.pending_n = 0
 
-    def observe(self, t: int, ids: np.ndarray) -> None:
-        self._pending.append(rowkeys.pack(t, ids))
-        self.pending_n += len(ids)
+    def observe(self, keys: np.ndarray) -> None:
+        """Packed row keys updated once more each."""
+        self._pending.append(keys)
+        self.pending_n += len(keys)
 
     def take(self) -> list[np.ndarray]:
         """The keys observed since the last take (to ``merge`` elsewhere)."""
@@ -98,11 +99,27 @@ class SpaceSaving:
         if self._pending_n >= 4 * self.capacity:
             self._merge()
 
+    def defer(self, keys: np.ndarray) -> None:
+        """``add`` without merging here: the caller merges (``take``, then ``merge`` on its own thread)."""
+        self._pending.append(keys)
+        self._pending_n += len(keys)
+
+    @property
+    def pending_n(self) -> int:
+        return self._pending_n
+
+    def take(self) -> list[np.ndarray]:
+        """The keys added since the last merge (to ``merge`` elsewhere, e.g. a background thread)."""
+        pending, self._pending, self._pending_n = self._pending, [], 0
+        return pending
+
     def _merge(self) -> None:
-        if not self._pending:
+        self.merge(self.take())
+
+    def merge(self, chunks: list[np.ndarray]) -> None:
+        if not chunks:
             return
-        new, cnt = np.unique(np.concatenate(self._pending), return_counts=True)
-        self._pending, self._pending_n = [], 0
+        new, cnt = np.unique(np.concatenate(chunks), return_counts=True)
         pos = np.searchsorted(self.keys, new)
         found = pos < len(self.keys)
         found[found] = self.keys[pos[found]] == new[found]
@@ -138,13 +155,24 @@ class MFUTracker:
         self.shards = set(range(store.num_shards)) if shards is None else set(shards)
         self.sketch = {s: SpaceSaving(capacity) for s in self.shards}
 
-    def observe(self, t: int, ids: np.ndarray) -> None:
-        owner = self.store.shard_map.shard_of(t, ids)
-        keys = rowkeys.pack(t, ids)
+    def observe(self, keys: np.ndarray, shards: np.ndarray) -> None:
+        """Packed row keys updated this step and the shard of each."""
         for s in self.shards:
-            mine = keys[owner == s]
+            mine = keys if len(self.shards) == 1 and (shards == s).all() else keys[shards == s]
             if len(mine):
-                self.sketch[s].add(mine)
+                self.sketch[s].defer(mine)
+
+    @property
+    def pending_n(self) -> int:
+        return max(sk.pending_n for sk in self.sketch.values())
+
+    def take(self) -> dict[int, list[np.ndarray]]:
+        """Per shard, the keys observed since the last merge (to ``merge`` off the training path)."""
+        return {s: sk.take() for s, sk in self.sketch.items()}
+
+    def merge(self, chunks: dict[int, list[np.ndarray]]) -> None:
+        for s, c in chunks.items():
+            self.sketch[s].merge(c)
 
     def select(self, shard: int, budget: int) -> list[tuple[int, np.ndarray]]:
         keys, counts = self.sketch[shard].top(budget)
@@ -162,10 +190,10 @@ class SSUTracker(MFUTracker):
         self.fraction = fraction
         self.rng = np.random.default_rng([seed, 4242])
 
-    def observe(self, t: int, ids: np.ndarray) -> None:
-        sampled = ids[self.rng.random(len(ids)) < self.fraction]
-        if len(sampled):
-            super().observe(t, sampled)
+    def observe(self, keys: np.ndarray, shards: np.ndarray) -> None:
+        sampled = self.rng.random(len(keys)) < self.fraction
+        if sampled.any():
+            super().observe(keys[sampled], shards[sampled])
 
 
 def _top(keys: np.ndarray, counts: np.ndarray, budget: int) -> list[tuple[int, np.ndarray]]:
@@ -206,13 +234,19 @@ class PrioritySaver(ShardRowsSaver):
 
     MERGE_EVERY = 1 << 18  # observed keys handed to the writer thread to merge (bounds memory)
 
-    def observe(self, t: int, ids: np.ndarray) -> None:
-        ids = self.mine(t, ids)
-        self.tracker.observe(t, ids)
-        self.counts.observe(t, ids)
+    MERGE_SKETCH = 1 << 14  # observed keys per shard handed to the writer thread to merge into the sketch
+
+    def observe(self, keys: np.ndarray, shards: np.ndarray) -> None:
+        """Packed row keys updated this step (any shard: only this writer's are kept) and their shards."""
+        keys, shards = self.mine_keys(keys, shards)
+        self.tracker.observe(keys, shards)
+        self.counts.observe(keys)
         if self.counts.pending_n > self.MERGE_EVERY:
             chunks = self.counts.take()
             self.writer.run(lambda: self.counts.merge(chunks))
+        if self.tracker.pending_n > self.MERGE_SKETCH:  # the sketch's merge: off the path as well
+            pending = self.tracker.take()
+            self.writer.run(lambda: self.tracker.merge(pending))
 
     def on_checkpoint(self, step: int) -> None:
         self.counts.take()  # counted before the checkpoint: it holds them

@@ -137,11 +137,12 @@ class ShardRowsSaver:
     def bytes_written(self) -> int:
         return self.writer.bytes_written
 
-    def mine(self, t: int, ids: np.ndarray) -> np.ndarray:
-        """The ids of table ``t`` that this writer's shards hold."""
+    def mine_keys(self, keys: np.ndarray, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of packed row keys and their shards, those of this writer's shards."""
         if len(self.shards) < self.store.num_shards:
-            ids = ids[np.isin(self.store.shard_map.shard_of(t, ids), list(self.shards))]
-        return ids
+            at = np.isin(shards, list(self.shards))
+            keys, shards = keys[at], shards[at]
+        return keys, shards
 
     def wait(self) -> None:
         self.writer.wait()
