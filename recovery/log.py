@@ -115,8 +115,27 @@ class ShardLog:
         return int(path.stem.split("_")[1])
 
     def open_segment(self, first_step: int) -> None:
-        """Start appending to the segment of updates from ``first_step`` on (cutting a torn tail)."""
+        """Start appending to the segment of updates from ``first_step`` on (cutting a torn tail).
+        While records are being written in the background (at a checkpoint), the switch is queued
+        behind them on the log's thread and the caller goes on: records of later steps land in the
+        new segment, and ``wait`` reports a failure of the switch like one of a write."""
+        if self._pool is not None and self._file is not None:
+            t0 = time.perf_counter()
+            self._pending = self._pool.submit(self._switch, self._pending, first_step)
+            self.seconds += time.perf_counter() - t0
+            return
         self.close()
+        self._open(first_step)
+
+    def _switch(self, before: Future | None, first_step: int) -> None:
+        if before is not None:
+            before.result()  # the records ahead of the switch are written (their error surfaces here)
+        t0 = time.perf_counter()
+        self._close_file()
+        self._open(first_step)
+        self.background_seconds += time.perf_counter() - t0
+
+    def _open(self, first_step: int) -> None:
         path = self.dir / f"seg_{first_step:010d}.log"
         if path.exists():
             self.num_cut_bytes += repair(path)
@@ -135,14 +154,17 @@ class ShardLog:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
         nbytes = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
-        self._pending = self._pool.submit(self._write, self._file, step, groups)
+        self._pending = self._pool.submit(self._write, self._pending, step, groups)
         self.bytes_written += nbytes
         self.seconds += time.perf_counter() - t0
         return nbytes
 
-    def _write(self, file, step: int, groups) -> None:
+    def _write(self, before: Future | None, step: int, groups) -> None:
+        if before is not None:
+            before.result()  # a segment switch queued ahead of these records is done
         t0 = time.perf_counter()
         blob = b"".join(encode_record(step, t, ids, rows) for t, ids, rows in groups)
+        file = self._file
         file.write(blob)
         file.flush()
         if self._fsync_ms is not None and (time.monotonic() - self._last_fsync) * 1000 >= self._fsync_ms:
@@ -191,6 +213,9 @@ class ShardLog:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._close_file()
+
+    def _close_file(self) -> None:
         if self._file is not None:
             self._file.flush()
             if self._fsync_ms is not None:

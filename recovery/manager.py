@@ -560,13 +560,22 @@ class RecoveryManager:
             raise RecoveryError("log recovery needs --log-dir")
         log = ShardLog(self.log_dir, shard)
         replayed, last = 0, after_step
-        by_step: dict[int, list] = {}
+        by_table: dict[int, tuple[list, list]] = {}
         for r in log.records(after_step):
-            by_step.setdefault(r.step, []).append((r.table, r.ids, r.rows))
-        for s in sorted(by_step):
-            self.store.write_shard(shard, by_step[s], step=s)
-            replayed += sum(ids.nbytes + rows.nbytes for _, ids, rows in by_step[s])
-            last = s
+            ids, rows = by_table.setdefault(r.table, ([], []))
+            ids.append(r.ids)
+            rows.append(r.rows)
+            replayed += r.ids.nbytes + r.rows.nbytes
+            last = max(last, r.step)
+        # every record holds whole rows (weights and state) as written: the newest record of a row is
+        # its value at the failure, so one write of each row's newest record replays the log exactly
+        groups = []
+        for t, (ids, rows) in sorted(by_table.items()):
+            ids, rows = np.concatenate(ids), np.concatenate(rows)
+            uniq, first_from_end = np.unique(ids[::-1], return_index=True)
+            groups.append((t, uniq, rows[len(ids) - 1 - first_from_end]))
+        if groups:
+            self.store.write_shard(shard, groups, step=last)
         return replayed, last
 
     def _recover_full(self, failed: list[int], step: int) -> tuple[int, dict]:
