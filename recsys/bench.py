@@ -100,6 +100,7 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
             "checkpoint_every": checkpoint_every or args.checkpoint_every,
             "inject": injections,
             "priority_budget": args.priority_budget,
+            "priority_half": getattr(args, "priority_half", False),
             "keep_checkpoints": 2,
             "max_restarts": 0,  # shard failures only: no per-step dense saves in the comparison
         }
@@ -556,6 +557,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-samples", type=int, default=32_768, help="held-out samples for the final AUC")
     ap.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint interval in steps")
     ap.add_argument("--priority-budget", type=int, default=2000, help="partial-mfu/ssu rows per shard per save")
+    ap.add_argument(
+        "--priority-half",
+        action="store_true",
+        help="priority saves and flushes store weights as float16 (optimizer state stays float32)",
+    )
     ap.add_argument("--failure-rate", type=float, default=0.005, help="shard failures per step (seeded schedule)")
     ap.add_argument("--seed", type=int, default=0, help="seed of data, model and the failure schedule")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")

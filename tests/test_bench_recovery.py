@@ -151,3 +151,16 @@ def test_bench_sweep_writes_the_trade_off_table_and_plot(tmp_path):
     md = (out / "sweep.md").read_text()
     assert "PLS over the sweep: measured" in md and "Cheapest interval" in md
     assert (out / "sweep_pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_priority_half_reaches_every_run_of_the_bench(tmp_path):
+    import argparse
+
+    from recsys.bench import _config, add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    for flags, want in (([], False), (["--priority-half"], True)):
+        args = ap.parse_args(flags)
+        cfg = _config(args, tmp_path / "run", "partial-mfu", ["shard:1@step=5"])
+        assert cfg.recovery.priority_half is want
