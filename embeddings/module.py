@@ -90,6 +90,10 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._mode = _MODES[tables[0].pooling]
         # per feature, in output order: (feature name, store table index, rows)
         self._features = [(f, store.tables.index(c.name), c.num_embeddings) for c in tables for f in c.feature_names]
+        self._output_keys = [name for names in self._names for name in names]
+        # per feature: its table's rows (the bound of its ids) and the table's key bits
+        self._limits = torch.tensor([n for _, _, n in self._features], dtype=torch.int64)
+        self._bases = torch.tensor([t << rowkeys.ROW_BITS for _, t, _ in self._features], dtype=torch.int64)
         self._one_feature_per_table = len({t for _, t, _ in self._features}) == len(self._features)
         # per forward with grad: (packed keys [U], leaves of their rows in key order: one for every
         # table, or with several features on a table one per table, each feature pooled by its own
@@ -131,7 +135,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if len(offsets) != len(names) * batch + 1:
             raise ValueError(f"batch has {len(offsets) - 1} bags for {len(names)} features x batch {batch}")
         counts = torch.tensor(lengths, dtype=torch.int64)
-        limit = torch.repeat_interleave(torch.tensor([n for _, _, n in self._features], dtype=torch.int64), counts)
+        limit = torch.repeat_interleave(self._limits, counts)
         values = values.to(torch.int64)
         bad = (values < 0) | (values >= limit)
         if bool(bad.any()):
@@ -141,7 +145,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise RowRangeError(
                 f"table {self.store.tables.specs[t].name!r} (feature {name!r}): row id {int(values[i])} out of range [0, {n})"
             )
-        base = torch.repeat_interleave(torch.tensor([t << rowkeys.ROW_BITS for _, t, _ in self._features]), counts)
+        base = torch.repeat_interleave(self._bases, counts)
         uniq, inverse = torch.unique(values + base, return_inverse=True)
         return BatchKeys(uniq.numpy(), inverse, offsets.to(torch.int64), batch)
 
@@ -153,7 +157,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ctx = self.batch_keys(features)
         rows = torch.from_numpy(self.row_source.pull_keys(ctx.keys))  # [U, dim] float32, every table
         track = torch.is_grad_enabled() and self.training
-        keys = [name for names in self._names for name in names]
+        keys = self._output_keys
         num, batch = len(self._features), ctx.batch_size
         if self._one_feature_per_table:  # each row is looked up by one feature: pool all in one call
             if track:

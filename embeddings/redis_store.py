@@ -245,6 +245,10 @@ class RedisStore(StoreBase):
         return out
 
     def _store(self, requests, step=None, undo=None):
+        """Plain rows (``write_rows``, ``update_many``). A training step's write, with its applied
+        marker and undo record, goes through ``_store_keys`` -> ``write_step``."""
+        if step is not None:
+            raise ValueError("RedisStore writes a step's rows with apply_keys(keys, grads, step)")
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, (ids, _) in requests.items():
             for s, pos in enumerate(self.shard_map.split(t, ids)):
@@ -253,16 +257,10 @@ class RedisStore(StoreBase):
 
         def push_to(s: int, groups):
             args = [(self.prefix(t, s), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
-            extra = []
-            if step is not None:
-                extra.append([b"SET", self.meta_key("applied", s), b"%d" % step])
-                if undo is not None:
-                    blob = encode_groups(step, [(t, requests[t][0][pos], undo[t][pos]) for t, pos in groups])
-                    extra.append([b"SET", self.meta_key("undo", s), blob])
 
             def run():
                 with self._bulk(s):
-                    n = self._wires[s].set_rows(args, extra)
+                    n = self._wires[s].set_rows(args)
                 if self.held is not None and s in self.held.shards:  # written: now held as written
                     for t, pos in groups:
                         self.held.put(t, requests[t][0][pos], requests[t][1][pos])

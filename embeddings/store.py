@@ -75,9 +75,9 @@ class StoreBase:
     ) -> None:
         """table index: (ids, [n, width] float32 rows) -> written.
 
-        With ``step``, each shard also records that it applied ``step`` and keeps the rows'
-        previous values (``undo``, table index -> [n, width]) for a rollback of that one step,
-        atomically with the rows.
+        With ``step`` (from ``apply_keys``), the store also records that it applied ``step`` and
+        keeps the rows' previous values (``undo``, table index -> [n, width]) for a rollback of that
+        one step.
         """
         raise NotImplementedError
 
@@ -140,8 +140,9 @@ class StoreBase:
     def update(self, table: str, ids, grads) -> None:
         self.update_many({table: (ids, grads)})
 
-    def update_many(self, requests, step: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Apply the optimizer; returns table -> (unique ids, new rows [n, dim + state])."""
+    def update_many(self, requests) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Apply the optimizer; returns table -> (unique ids, new rows [n, dim + state]). (A training
+        step's write, with its applied marker and undo record, is ``apply_keys(..., step)``.)"""
         uniq: IdsByTable = {}
         summed: dict[int, torch.Tensor] = {}
         for name, (ids, grads) in requests.items():
@@ -159,7 +160,7 @@ class StoreBase:
             uniq[t], summed[t] = u, acc
         current = self._fetch_filled(uniq)
         new = {t: (uniq[t], self.optimizer.apply(torch.from_numpy(current[t]), summed[t]).numpy()) for t in uniq}
-        self._store(new, step=step, undo=current if step is not None else None)
+        self._store(new)
         return {self.tables.specs[t].name: v for t, v in new.items()}
 
     # -- packed row keys (``embeddings.rowkeys``): a batch of every table in one array -------------
@@ -178,7 +179,8 @@ class StoreBase:
 
     def apply_keys(self, keys: np.ndarray, grads: torch.Tensor, step: int | None = None) -> np.ndarray:
         """The optimizer on sorted unique packed keys with ``grads`` [n, dim], in one pass over every
-        table: -> the new rows [n, width], as written. ``step`` as in ``update_many``."""
+        table: -> the new rows [n, width], as written. With ``step``, the write also records that
+        step as applied and keeps the rows' previous values for a rollback of that one step."""
         current = self.read_keys(keys)
         new = self.optimizer.apply(torch.from_numpy(current), grads).numpy()
         self._store_keys(keys, new, step=step, undo=current if step is not None else None)

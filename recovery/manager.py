@@ -43,6 +43,7 @@ import torch
 
 from embeddings import RedisStore, ShardDataError, ShardUnavailableError, rowkeys
 from embeddings.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard
+from embeddings.module import sum_by_key
 from recovery import incremental, priority
 from recovery.accounting import UpdateCounter, lost_samples
 from recovery.checkpoint import Checkpoint, Checkpointer
@@ -297,18 +298,11 @@ class RecoveryManager:
 
     def _update_of(self, grads_by_name: dict) -> SimpleNamespace:
         """table name -> (ids, grads [n, dim]) as sorted unique keys, summed gradients and shards."""
-        keys, order = rowkeys.from_tables({self.store.tables.index(n): ids for n, (ids, _) in grads_by_name.items()})
-        blocks = [
-            torch.as_tensor(np.asarray(g, np.float32))
-            for _, (_, g) in sorted(
-                ((self.store.tables.index(n), v) for n, v in grads_by_name.items()), key=lambda x: x[0]
-            )
-        ]
-        g = torch.cat(blocks)[torch.from_numpy(order)]
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
-        summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)), g)
-        return SimpleNamespace(keys=uniq, grads=summed, shards=self.store.shard_map.shard_of_keys(uniq))
+        index = {n: self.store.tables.index(n) for n in grads_by_name}
+        keys, order = rowkeys.from_tables({index[n]: ids for n, (ids, _) in grads_by_name.items()})
+        blocks = [torch.as_tensor(np.asarray(grads_by_name[n][1], np.float32)) for n in sorted(index, key=index.get)]
+        keys, grads = sum_by_key(keys, torch.cat(blocks)[torch.from_numpy(order)])
+        return SimpleNamespace(keys=keys, grads=grads, shards=self.store.shard_map.shard_of_keys(keys))
 
     # -- recovery -------------------------------------------------------------------------------
     def recover(self, failed: list[int], step: int, phase: str) -> int | None:

@@ -158,7 +158,7 @@ class MFUTracker:
     def observe(self, keys: np.ndarray, shards: np.ndarray) -> None:
         """Packed row keys updated this step and the shard of each."""
         for s in self.shards:
-            mine = keys if len(self.shards) == 1 and (shards == s).all() else keys[shards == s]
+            mine = keys[shards == s]
             if len(mine):
                 self.sketch[s].defer(mine)
 
