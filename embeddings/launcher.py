@@ -391,12 +391,16 @@ class LocalShards:
         shard.stalled = False
 
     def stall(self, i: int) -> None:
-        """SIGSTOP shard ``i``: it keeps its connections but answers nothing."""
+        """SIGSTOP shard ``i``: it keeps its connections but answers nothing. Returns once the kernel
+        shows it stopped (a signal to a process running on another core takes effect a moment later)."""
         shard = self._shards[i]
         if shard.proc is None or shard.proc.poll() is not None:
             raise LauncherError(f"shard {i} (port {shard.port}) is not running; cannot stall it")
         shard.proc.send_signal(signal.SIGSTOP)
         shard.stalled = True
+        deadline = time.monotonic() + 5.0
+        while process_state(shard.proc.pid) not in ("T", "t", None) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def resume(self, i: int) -> None:
         """SIGCONT a stalled shard."""
