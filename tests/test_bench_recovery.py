@@ -1,4 +1,5 @@
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +53,13 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["strategy"]: r for r in csv.DictReader(open(out / "results.csv"))}
     assert list(rows) == ["none", "partial", "log", "replica"]
-    # replica: promoted, nothing loaded, so its failure time is a fraction of partial's restore
+    # replica: every failure is served by promoting the shard's replica (nothing loaded); partial loads
+    # the checkpoint. (Which is faster is the bench's figure, not a test's: on 2000-row tables both are ~20 ms.)
     assert int(rows["replica"]["failures"]) == int(rows["log"]["failures"])
-    assert float(rows["replica"]["failure_time_s"]) < float(rows["partial"]["failure_time_s"])
+    replica = json.loads((out / "replica" / "summary.json").read_text())["failures"]
+    partial = json.loads((out / "partial" / "summary.json").read_text())["failures"]
+    assert replica and all(f.get("promoted") for f in replica), replica
+    assert partial and not any(f.get("promoted") for f in partial), partial
     assert int(rows["partial"]["failures"]) == int(rows["log"]["failures"]) >= 1
     assert float(rows["log"]["pls"]) == 0.0 and float(rows["log"]["auc_change"]) == 0.0  # exact
     assert float(rows["partial"]["pls"]) > 0 and int(rows["partial"]["lost_updates"]) > 0
