@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 _PR_SET_PDEATHSIG = 1
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
@@ -135,7 +137,13 @@ def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tup
     deadline = time.monotonic() + timeout_s
     tls = dict(ssl=True, ssl_ca_certs=spec.tls_cert_file) if spec.tls_cert_file else {}
     client = redis.Redis(
-        host=spec.host, port=spec.port, password=spec.password, socket_timeout=1.0, socket_connect_timeout=1.0, **tls
+        host=spec.host,
+        port=spec.port,
+        password=spec.password,
+        socket_timeout=1.0,
+        socket_connect_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),  # this loop polls: redis-py's own retries back off for seconds
+        **tls,
     )
     try:
         while time.monotonic() < deadline:
@@ -145,7 +153,7 @@ def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tup
                 if client.ping():
                     return True, ""
             except redis.RedisError:  # connection refused, or LOADING while the RDB loads
-                time.sleep(0.002)  # a restore waits on this: look again soon (a PING costs ~0.1 ms)
+                time.sleep(0.001)  # a restore waits on this: look again soon (a PING costs ~0.1 ms)
         return False, f"no PING answer within {timeout_s}s"
     finally:
         client.close()

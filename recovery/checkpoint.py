@@ -45,8 +45,10 @@ def sha256_file(path: Path) -> str:
 
 
 def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
-    """Copy with fsync, hashing the bytes on the way; returns (sha256, bytes)."""
+    """Copy with fsync, hashing the bytes on the way; returns (sha256, bytes). ``dst`` is a new file
+    (an old one is unlinked, not overwritten: it may be a link a restored shard was started from)."""
     h, n = hashlib.sha256(), 0
+    dst.unlink(missing_ok=True)
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         while block := fi.read(1 << 22):
             h.update(block)

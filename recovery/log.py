@@ -71,7 +71,7 @@ def encode_record(step: int, table: int, ids: np.ndarray, rows: np.ndarray) -> b
 
 def scan(path: Path) -> tuple[list[LogRecord], int]:
     """Every whole, verified record of a segment and the byte offset where they end."""
-    data = path.read_bytes()
+    data = memoryview(path.read_bytes())  # records are views of one read, not copies
     records, pos = [], 0
     while pos + _HEADER.size <= len(data):
         magic, length, crc = _HEADER.unpack_from(data, pos)
@@ -181,20 +181,33 @@ class ShardLog:
             self.seconds += time.perf_counter() - t0
 
     def records(self, after_step: int, up_to_step: int | None = None) -> Iterator[LogRecord]:
-        """Records with ``after_step < step <= up_to_step``, in log order, across segments."""
-        for seg in self.segments():
+        """Records with ``after_step < step <= up_to_step``, in log order, across segments. A segment
+        followed by one that starts at or before ``after_step + 1`` holds no such record: it is not read."""
+        segs = self.segments()
+        for seg, nxt in zip(segs, [*segs[1:], None]):
+            if nxt is not None and self.first_step(nxt) <= after_step + 1:
+                continue
             records, _ = scan(seg)
             for r in records:
                 if r.step > after_step and (up_to_step is None or r.step <= up_to_step):
                     yield r
 
     def truncate_after(self, step: int) -> None:
-        """Drop records of steps after ``step`` (a replayed step will write them again)."""
+        """Drop records of steps after ``step`` (a replayed step will write them again). A segment that
+        starts after ``step`` goes: records of later steps are appended to the one open before it, and
+        ``records`` relies on no segment holding steps at or past the next one's first."""
+        removed = False
         for seg in self.segments():
+            if self.first_step(seg) > step:
+                seg.unlink()
+                removed = True
+                continue
             records, _ = scan(seg)
             keep = b"".join(encode_record(r.step, r.table, r.ids, r.rows) for r in records if r.step <= step)
             if len(keep) != seg.stat().st_size:
                 write_atomic(seg, keep)
+        if removed:
+            fsync_dir(self.dir)
 
     def drop_before(self, step: int) -> list[Path]:
         """Remove segments whose updates all precede ``step`` (a newer checkpoint covers them)."""

@@ -96,6 +96,32 @@ class Outcome:
 CONTINUE = Outcome()
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` (replaced) with ``src``'s bytes: a hard link where both are on one file system
+    (instant), else a copy. The checkpoint's file stays intact as long as nothing writes ``dst`` in
+    place: redis-server never does (it writes a temporary file and renames it over the old name),
+    and whatever puts a file there goes through this function, which unlinks first."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+class Laps:
+    """Seconds spent in each part of a restore, kept in the failure record (``phases_s``)."""
+
+    def __init__(self, rec: dict) -> None:
+        self.rec, self.t = rec, time.perf_counter()
+        rec.setdefault("phases_s", {})
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        phases = self.rec["phases_s"]
+        phases[name] = round(phases.get(name, 0.0) + now - self.t, 4)
+        self.t = now
+
+
 @dataclass
 class RecoveryManager:
     strategy: Strategy | str
@@ -127,6 +153,7 @@ class RecoveryManager:
         self.counter = self.counter or UpdateCounter(n)
         self._flags = np.zeros(n, dtype=np.int64)
         self._detected: dict[int, float] = {}
+        self._call_began: dict[int, float] = {}  # shard -> start of the call that saw it fail
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
@@ -163,16 +190,20 @@ class RecoveryManager:
     # -- the commit protocol --------------------------------------------------------------------
     def guard(self, fn: Callable[[], object]) -> tuple[bool, object]:
         """Run a store call; a failed shard is recorded (not raised) for the next commit point."""
+        t0 = time.time()
         try:
             return True, fn()
         except ShardUnavailableError as e:
-            self._fail(e.shard)
+            self._fail(e.shard, since=t0)
             return False, None
 
-    def _fail(self, shard: int) -> None:
-        """Record a shard as failed for the next commit point (as ``guard`` does on an error)."""
+    def _fail(self, shard: int, since: float | None = None) -> None:
+        """Record a shard as failed for the next commit point (as ``guard`` does on an error);
+        ``since``: when the call that failed began (its time until the error is lost)."""
         self._flags[shard] = 1
-        self._detected.setdefault(shard, time.time())
+        now = time.time()
+        self._detected.setdefault(shard, now)
+        self._call_began.setdefault(shard, now if since is None else since)
 
     def sync(self) -> list[int]:
         """Failed shards seen by any trainer since the last commit point (a collective)."""
@@ -339,6 +370,7 @@ class RecoveryManager:
         self.drain()
         for s in recovered:
             self._detected.pop(s, None)
+            self._call_began.pop(s, None)
         if verdict[1] > 0:
             to = int(verdict[1]) - 1
             self.counter.total = self.counter.at_step.get(to, np.zeros_like(self.counter.total)).copy()
@@ -406,7 +438,9 @@ class RecoveryManager:
     def _checkpoint_for(self, shards: list[int], record: dict) -> Checkpoint | None:
         if self.checkpointer is None:
             return None
+        t0 = time.perf_counter()
         self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
+        record.setdefault("phases_s", {})["checkpoint_wait"] = round(time.perf_counter() - t0, 4)
         if self.injector is not None:
             self.injector.before_restore(lambda: self.latest_shard_file(shards[0]))
 
@@ -424,7 +458,7 @@ class RecoveryManager:
         cands = self.checkpointer.candidates()
         return cands[0].shard_file(shard) if cands else None
 
-    def _restore_shard(self, shard: int, ckpt: Checkpoint | None) -> int:
+    def _restore_shard(self, shard: int, ckpt: Checkpoint | None, lap: Callable[[str], None] = lambda _: None) -> int:
         """The shard back as of ``ckpt`` (empty without one); -> bytes restored. A local shard: kill
         whatever runs for it, start a replacement that loads the checkpoint's file. A remote one:
         wait for its supervisor to bring it back, then load the rows through the protocol."""
@@ -437,13 +471,16 @@ class RecoveryManager:
                 self.injector.during("recovery", exclude=shard)
             return restored
         self._kill(spec)
-        spec.rdb_path.unlink(missing_ok=True)
+        lap("kill")
+        spec.rdb_path.unlink(missing_ok=True)  # without a checkpoint the replacement starts empty
         restored = 0
         if ckpt is not None:
             src = ckpt.shard_file(spec.index)
-            shutil.copyfile(src, spec.rdb_path)
+            link_or_copy(src, spec.rdb_path)
             restored = src.stat().st_size
+        lap("copy")
         spawn_shard(spec, die_with_parent=False)
+        lap("start")
         self.store.reconnect(spec.index)
         if self.injector is not None:
             self.injector.during("recovery", exclude=spec.index)
@@ -470,12 +507,18 @@ class RecoveryManager:
         kind, target = kind_target
         detected = self._detected.get(target, time.time())
         fired = self.injector.fired_at(target) if self.injector is not None else None
+        began = self._call_began.get(target, detected)
+        if fired is not None:
+            began = max(began, fired)  # a call that began before the failure lost only what came after it
         return {
             "kind": kind,
             "target": target,
             "step": step,
             "strategy": str(self.strategy),
+            # seconds from the failure to the moment a call saw it (the trainer went on working
+            # meanwhile), and of those, how long the call that saw it ran (its work is redone)
             "detected_after_s": round(max(0.0, detected - fired), 4) if fired is not None else 0.0,
+            "failed_call_s": round(max(0.0, detected - began), 4),
             "_detected_at": detected,
         }
 
@@ -485,13 +528,15 @@ class RecoveryManager:
     def _recover_one(self, shard: int, step: int) -> tuple[dict, int]:
         """-> (failure record, the step the shard's rows are now as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
+        lap = Laps(rec)
         ckpt = self._checkpoint_for([shard], rec)
+        lap("checkpoint")
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
-        rec["restored_bytes"] = self._restore_shard(shard, ckpt)
+        rec["restored_bytes"] = self._restore_shard(shard, ckpt, lap)
         as_of = base_step
         if self.strategy.replays_log:
-            replayed, as_of = self._replay(shard, base_step)
+            replayed, as_of = self._replay(shard, base_step, lap)
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
@@ -500,10 +545,12 @@ class RecoveryManager:
                 nbytes, saved = priority.overlay(self.priority.dir, self.store, shard, base_step, step - 1)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
+                lap("overlay")
             if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
                 nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step, step - 1)
                 rec["restored_bytes"] += nbytes
                 rec["flushed_to_step"] = as_of
+                lap("replay")
             completed = step - 1  # the interrupted step resumes on the restored shard
             # updates already counted as lost at an earlier failure of this shard are not lost again
             since_step, since_totals = as_of, self.counter.at_step.get(as_of, np.zeros_like(self.counter.total))
@@ -547,7 +594,7 @@ class RecoveryManager:
         self.lost.append(rec["lost_samples"])
         return rec, at
 
-    def _replay(self, shard: int, after_step: int) -> tuple[int, int]:
+    def _replay(self, shard: int, after_step: int, lap: Callable[[str], None] = lambda _: None) -> tuple[int, int]:
         """Write the shard's logged rows of steps after ``after_step`` back, in log order.
         -> (bytes replayed, the last step replayed or ``after_step``)."""
         if self.log_dir is None:
@@ -568,8 +615,10 @@ class RecoveryManager:
             ids, rows = np.concatenate(ids), np.concatenate(rows)
             uniq, first_from_end = np.unique(ids[::-1], return_index=True)
             groups.append((t, uniq, rows[len(ids) - 1 - first_from_end]))
+        lap("replay_read")
         if groups:
             self.store.write_shard(shard, groups, step=last)
+        lap("replay_write")
         return replayed, last
 
     def _recover_full(self, failed: list[int], step: int) -> tuple[int, dict]:

@@ -69,6 +69,31 @@ def test_log_round_trip_cuts_a_torn_tail_and_drops_covered_segments(tmp_path):
     log2.close()
 
 
+def test_log_reads_only_segments_that_can_hold_later_steps_and_truncation_drops_later_segments(tmp_path):
+    log = ShardLog(tmp_path, 0)
+    row = np.ones((1, 3), np.float32)
+    for first, steps in ((1, range(1, 11)), (11, range(11, 21)), (21, range(21, 26))):
+        log.open_segment(first)
+        for step in steps:
+            log.append_step(step, [(0, np.array([step]), row * step)])
+    log.close()
+    s1, s11, s21 = log.segments()
+    with open(s1, "ab") as f:  # planted: a covered segment is not even read, so this never shows
+        f.write(encode_record(99, 0, np.array([99]), row))
+    assert [r.step for r in log.records(after_step=12)] == list(range(13, 26))
+    assert [r.step for r in log.records(after_step=10)] == list(range(11, 26))
+    assert [float(r.rows[0, 0]) for r in log.records(after_step=20, up_to_step=22)] == [21.0, 22.0]
+    # back to step 15: the segment of steps 21.. goes (records of 16.. are written to seg 11 again, and a
+    # reader must not skip seg 11 for an empty later one)
+    log.truncate_after(15)
+    assert log.segments() == [s1, s11]
+    log.open_segment(11)
+    for step in range(16, 24):
+        log.append_step(step, [(0, np.array([step]), row * -step)])
+    log.close()
+    assert [(r.step, float(r.rows[0, 0])) for r in log.records(after_step=21)] == [(22, -22.0), (23, -23.0)]
+
+
 def test_update_counter_and_pls():
     c = UpdateCounter(3)
     c.add(np.array([5, 3, 2]))
