@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from embeddings.errors import EndpointError
 from embeddings.redis_store import redact
@@ -50,9 +52,8 @@ def diagnose(url: str, e: BaseException, timeout_s: float) -> str:
 def check_endpoints(urls: Sequence[str], timeout_s: float = 5.0, connection_kwargs: dict | None = None) -> None:
     """PING every URL once; raise ``EndpointError`` naming the first shard that cannot serve."""
     for shard, url in enumerate(urls):
-        client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **(connection_kwargs or {})
-        )
+        kwargs = {"retry": Retry(NoBackoff(), 0), **(connection_kwargs or {})}  # one try: the error is the answer
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **kwargs)
         try:
             client.ping()
         except (redis.RedisError, OSError) as e:

@@ -294,8 +294,13 @@ class Injector:
 
     def _command(self, shard: int, *args: str) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        client = redis.Redis.from_url(self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0)
+        # no retries: SHUTDOWN drops the connection, and redis-py would back off for seconds redoing it
+        client = redis.Redis.from_url(
+            self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0)
+        )
         try:
             client.execute_command(*args)
         except redis.ConnectionError:
