@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +155,7 @@ class RecoveryManager:
         self._flags = np.zeros(n, dtype=np.int64)
         self._detected: dict[int, float] = {}
         self._call_began: dict[int, float] = {}  # shard -> start of the call that saw it fail
+        self._guarded = threading.local()  # .since: start of this thread's guarded call in progress
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
@@ -190,20 +192,24 @@ class RecoveryManager:
     # -- the commit protocol --------------------------------------------------------------------
     def guard(self, fn: Callable[[], object]) -> tuple[bool, object]:
         """Run a store call; a failed shard is recorded (not raised) for the next commit point."""
-        t0 = time.time()
+        here = self._guarded
+        outer, here.since = getattr(here, "since", None), time.time()
         try:
             return True, fn()
         except ShardUnavailableError as e:
-            self._fail(e.shard, since=t0)
+            self._fail(e.shard)
             return False, None
+        finally:
+            here.since = outer
 
-    def _fail(self, shard: int, since: float | None = None) -> None:
-        """Record a shard as failed for the next commit point (as ``guard`` does on an error);
-        ``since``: when the call that failed began (its time until the error is lost)."""
+    def _fail(self, shard: int) -> None:
+        """Record a shard as failed for the next commit point (as ``guard`` does on an error), and
+        when the guarded call that saw it began (its time until then is lost: it is redone)."""
         self._flags[shard] = 1
         now = time.time()
         self._detected.setdefault(shard, now)
-        self._call_began.setdefault(shard, now if since is None else since)
+        since = getattr(self._guarded, "since", None)
+        self._call_began.setdefault(shard, since if since is not None else now)
 
     def sync(self) -> list[int]:
         """Failed shards seen by any trainer since the last commit point (a collective)."""
@@ -507,8 +513,10 @@ class RecoveryManager:
         kind, target = kind_target
         detected = self._detected.get(target, time.time())
         fired = self.injector.fired_at(target) if self.injector is not None else None
-        began = self._call_began.get(target, detected)
-        if fired is not None:
+        began = self._call_began.get(target)
+        if began is None:  # another trainer saw it; this one waited at the commit point meanwhile
+            began = fired if fired is not None else detected
+        elif fired is not None:
             began = max(began, fired)  # a call that began before the failure lost only what came after it
         return {
             "kind": kind,
@@ -516,7 +524,8 @@ class RecoveryManager:
             "step": step,
             "strategy": str(self.strategy),
             # seconds from the failure to the moment a call saw it (the trainer went on working
-            # meanwhile), and of those, how long the call that saw it ran (its work is redone)
+            # meanwhile), and of those, how long the call that saw it ran (its work is redone; all of
+            # them where another trainer saw it and this one waited for it at the commit point)
             "detected_after_s": round(max(0.0, detected - fired), 4) if fired is not None else 0.0,
             "failed_call_s": round(max(0.0, detected - began), 4),
             "_detected_at": detected,

@@ -169,3 +169,23 @@ def test_priority_half_reaches_every_run_of_the_bench(tmp_path):
         args = ap.parse_args(flags)
         cfg = _config(args, tmp_path / "run", "partial-mfu", ["shard:1@step=5"])
         assert cfg.recovery.priority_half is want
+
+
+def test_sweep_verdict_picks_the_cheapest_interval_by_accuracy_and_by_the_pls_target():
+    from recsys.bench import sweep_verdict
+
+    def row(strategy, k, overhead, auc, pls):
+        r = dict(strategy=strategy, interval=k, planner=False, overhead_pct=overhead, auc_change=auc, pls=pls)
+        return {**r, "predicted_pls": pls, "predicted_pls_drawn": pls}
+
+    rows = [
+        row("partial", 500, 0.40, -0.0001, 0.05),
+        row("partial", 3000, 0.15, 0.0001, 0.17),  # accuracy holds, PLS does not
+        row("partial-mfu", 1500, 0.26, 0.0, 0.054),
+        row("partial-mfu", 3000, 0.18, -0.0009, 0.11),  # out of the accuracy tolerance
+    ]
+    md = sweep_verdict(rows, {"final_auc": 0.8}, 0.0005, target_pls=0.06)
+    by_auc, by_pls = md.split("the planner's target")
+    assert "- partial: interval 3000, overhead 0.15%" in by_auc and "- partial-mfu: interval 1500" in by_auc
+    assert "- partial: interval 500, overhead 0.4%" in by_pls and "- partial-mfu: interval 1500" in by_pls
+    assert "no interval meets the target" in sweep_verdict(rows[1:2], {"final_auc": 0.8}, 0.0005, 0.06)

@@ -45,6 +45,11 @@ def test_log_recovery_of_a_killed_shard_ends_bit_for_bit(tmp_path, baseline):
     (f,) = s["failures"]
     assert (f["kind"], f["target"], f["step"], f["strategy"]) == ("shard", 1, 25, "log")
     assert f["restored_from_step"] == 20 and f["lost_updates"] == 0 and f["restored_bytes"] > 0
+    # the restore's parts are timed, and they make up (most of) it; the call that saw the failure ran
+    # no longer than the time since the kill
+    assert {"checkpoint", "kill", "copy", "start", "replay_read", "replay_write"} <= set(f["phases_s"])
+    assert 0 < sum(f["phases_s"].values()) <= f["recovery_s"]
+    assert 0 <= f["failed_call_s"] <= f["detected_after_s"]
     assert s["embedding_digest"] == baseline["embedding_digest"]
     assert s["pls"] == 0.0 and s["log_bytes"] > 0 and s["log_fsync"] == "always"
     assert all(c["pause_s"] < c["total_s"] or c["total_s"] == 0 for c in s["checkpoints"])
@@ -99,6 +104,7 @@ def test_a_stalled_shard_is_detected_within_the_timeout_and_recovered(tmp_path, 
     )
     (f,) = s["failures"]
     assert f["kind"] == "stall" and 0.9 <= f["detected_after_s"] <= 2.0
+    assert 0.9 <= f["failed_call_s"] <= f["detected_after_s"]  # the call waited out the timeout: lost time
     assert s["steps_completed"] == 40 and s["embedding_digest"] == baseline["embedding_digest"]
     assert time.monotonic() - t0 < 30  # did not wait for the stall to end
 
