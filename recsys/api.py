@@ -64,7 +64,9 @@ class Failure:
     step: int | None
     strategy: str
     detected_after_s: float
+    failed_call_s: float
     recovery_s: float
+    phases_s: dict
     lost_updates: int
     lost_samples: float
     restored_from_step: int | None
@@ -78,7 +80,9 @@ class Failure:
             step=d.get("step"),
             strategy=d.get("strategy", ""),
             detected_after_s=float(d.get("detected_after_s", 0.0)),
+            failed_call_s=float(d.get("failed_call_s", d.get("detected_after_s", 0.0))),
             recovery_s=float(d.get("recovery_s", 0.0)),
+            phases_s=dict(d.get("phases_s", {})),
             lost_updates=int(d.get("lost_updates", 0)),
             lost_samples=float(d.get("lost_samples", 0.0)),
             restored_from_step=d.get("restored_from_step"),

@@ -126,7 +126,8 @@ def test_compare_two_runs_writes_its_table_and_plot(tmp_path):
     # run, recovery, steps, wall_s, samples_per_s, final_auc, auc_change, final_logloss, pls, failures, ...
     assert cells["a"][9] == "0" and cells["b"][9] == "1" and float(cells["b"][8]) > 0
     assert cells["a"][-1] == "True" and cells["b"][-1] == "False"
-    assert recsys.load_run(b.path).summary.failures[0].target == 2
+    f = recsys.load_run(b.path).summary.failures[0]
+    assert f.target == 2 and f.phases_s["start"] > 0 and 0 <= f.failed_call_s <= f.detected_after_s
     # a folder that is not a run is named
     bad = subprocess.run(
         [sys.executable, "-m", "recsys", "compare", str(a.path), str(tmp_path)],
