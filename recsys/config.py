@@ -396,6 +396,11 @@ class RunConfig:
             bad = set(values) - known
             if bad:
                 raise ConfigError(f"{source}: unknown field(s) {sorted(bad)} in [{name}]; known: {sorted(known)}")
+            types = {f.name: f.type for f in dataclasses.fields(section_cls)}
+            for key, value in values.items():
+                expected = _type_error(value, types[key])
+                if expected:
+                    raise ConfigError(f"{source}: [{name}] {key} = {value!r}: must be {expected}")
             try:
                 kwargs[name] = section_cls(**values)
             except TypeError as e:
@@ -421,6 +426,39 @@ class RunConfig:
                 lines.append(f"{k} = {_toml_value(v)}")
             lines.append("")
         return "\n".join(lines)
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+_EXPECTED = {
+    "int": ("an integer", ("int",)),
+    "float": ("a number", ("float",)),
+    "bool": ("true or false", ("bool",)),
+    "str": ("a string", ("str",)),
+    "int | str": ("an integer or a string", ("int", "str")),
+}
+
+
+def _type_error(value: Any, annotation: str) -> str:
+    """What a config value must be when its type does not fit the field's annotation ('' if it fits;
+    annotations this does not know, such as Literal choices, are checked by the section itself)."""
+    if annotation in _EXPECTED:
+        what, kinds = _EXPECTED[annotation]
+        return "" if any(_is(value, k) for k in kinds) else what
+    if annotation in ("list[int]", "list[str]"):
+        kind = annotation[5:-1]
+        if isinstance(value, list) and all(_is(v, kind) for v in value):
+            return ""
+        return {"int": "a list of integers", "str": "a list of strings"}[kind]
+    return ""
 
 
 def _toml_value(v: Any) -> str:

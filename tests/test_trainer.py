@@ -153,6 +153,17 @@ def test_toml_config_round_trip_and_flag_override(tmp_path):
     path.write_text("[train]\nstepz = 3\n")
     with pytest.raises(ConfigError, match=r"c.toml: unknown field\(s\) \['stepz'\] in \[train\]"):
         RunConfig.from_toml(path)
+    # a value of the wrong type is named with its section and key, before anything compares it
+    for text, message in [
+        ('[recovery]\nshard_restart_timeout = "60"\n', "[recovery] shard_restart_timeout = '60': must be a number"),
+        ("[train]\nsteps = 10.5\n", "[train] steps = 10.5: must be an integer"),
+        ('[model]\ndense_arch = [64, "a"]\n', "[model] dense_arch = [64, 'a']: must be a list of integers"),
+        ("[embeddings]\nprefetch = 1\n", "[embeddings] prefetch = 1: must be true or false"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            RunConfig.from_toml(path)
+        assert str(e.value) == f"{path}: {message}"
 
 
 def test_torchrun_joins_shards_that_already_run(tmp_path):
