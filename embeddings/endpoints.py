@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from embeddings.errors import EndpointError
-from embeddings.redis_store import redact
+from embeddings.redis_store import one_try, redact
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -52,7 +50,7 @@ def diagnose(url: str, e: BaseException, timeout_s: float) -> str:
 def check_endpoints(urls: Sequence[str], timeout_s: float = 5.0, connection_kwargs: dict | None = None) -> None:
     """PING every URL once; raise ``EndpointError`` naming the first shard that cannot serve."""
     for shard, url in enumerate(urls):
-        kwargs = {"retry": Retry(NoBackoff(), 0), **(connection_kwargs or {})}  # one try: the error is the answer
+        kwargs = {"retry": one_try(), **(connection_kwargs or {})}  # one try: the error is the answer
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **kwargs)
         try:
             client.ping()

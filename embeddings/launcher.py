@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+from embeddings.redis_store import one_try
 
 _PR_SET_PDEATHSIG = 1
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
@@ -142,7 +142,7 @@ def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tup
         password=spec.password,
         socket_timeout=1.0,
         socket_connect_timeout=1.0,
-        retry=Retry(NoBackoff(), 0),  # this loop polls: redis-py's own retries back off for seconds
+        retry=one_try(),  # this loop polls
         **tls,
     )
     try:

@@ -46,6 +46,13 @@ from embeddings.wire import RowConnection, WireError
 T = TypeVar("T")
 
 
+def one_try() -> Retry:
+    """A redis-py client's retry policy for calls that must not be redone behind the caller's back:
+    redis-py's default retries a failed call with backoff, seconds in all, and the caller (the
+    recovery layer, a readiness poll, an endpoint check, an injected SHUTDOWN) decides what follows."""
+    return Retry(NoBackoff(), 0)
+
+
 def redact(url: str) -> str:
     """``scheme://[user@]host:port/db`` with any password removed, for messages and logs."""
     parts = urlsplit(url)
@@ -99,7 +106,7 @@ class RedisStore(StoreBase):
         kwargs = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # bounded: the recovery layer owns retries
+            retry=one_try(),  # bounded: the recovery layer owns retries
             health_check_interval=0,
             protocol=2,  # embeddings.wire speaks RESP2 (nil is $-1)
         )

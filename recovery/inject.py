@@ -294,13 +294,11 @@ class Injector:
 
     def _command(self, shard: int, *args: str) -> None:
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
-        # no retries: SHUTDOWN drops the connection, and redis-py would back off for seconds redoing it
-        client = redis.Redis.from_url(
-            self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0, retry=Retry(NoBackoff(), 0)
-        )
+        from embeddings.redis_store import one_try
+
+        # one try: SHUTDOWN drops the connection, and a retry would only wait to fail
+        client = redis.Redis.from_url(self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0, retry=one_try())
         try:
             client.execute_command(*args)
         except redis.ConnectionError:

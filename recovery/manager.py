@@ -441,12 +441,13 @@ class RecoveryManager:
         for pid in shard_servers(spec):  # its pidfile's, and one a dead trainer started unrecorded
             kill_and_wait(pid)
 
-    def _checkpoint_for(self, shards: list[int], record: dict) -> Checkpoint | None:
+    def _checkpoint_for(
+        self, shards: list[int], record: dict, lap: Callable[[str], None] = lambda _: None
+    ) -> Checkpoint | None:
         if self.checkpointer is None:
             return None
-        t0 = time.perf_counter()
         self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
-        record.setdefault("phases_s", {})["checkpoint_wait"] = round(time.perf_counter() - t0, 4)
+        lap("checkpoint_wait")
         if self.injector is not None:
             self.injector.before_restore(lambda: self.latest_shard_file(shards[0]))
 
@@ -478,12 +479,13 @@ class RecoveryManager:
             return restored
         self._kill(spec)
         lap("kill")
-        spec.rdb_path.unlink(missing_ok=True)  # without a checkpoint the replacement starts empty
         restored = 0
         if ckpt is not None:
             src = ckpt.shard_file(spec.index)
             link_or_copy(src, spec.rdb_path)
             restored = src.stat().st_size
+        else:
+            spec.rdb_path.unlink(missing_ok=True)  # the replacement starts empty
         lap("copy")
         spawn_shard(spec, die_with_parent=False)
         lap("start")
@@ -538,7 +540,7 @@ class RecoveryManager:
         """-> (failure record, the step the shard's rows are now as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
         lap = Laps(rec)
-        ckpt = self._checkpoint_for([shard], rec)
+        ckpt = self._checkpoint_for([shard], rec, lap)
         lap("checkpoint")
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
