@@ -8,6 +8,7 @@ float32, ``sparse`` [n, 26] int64, ``labels`` [n]) and ``num_rows`` (``None`` = 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,9 +94,23 @@ class BatchReader:
     exactly: reading k batches, saving, reading m more yields the same m batches as restoring the
     saved state in a fresh reader and reading m. A finite source ends after its last full batch
     (``epochs`` > 1 wraps around).
+
+    ``read_ahead``: one background thread reads the batch after the one just handed out while the
+    caller trains on it (numpy's generators and hashing release the GIL). Only one read runs at a
+    time, so a source is never read from two threads at once; the position counts only the
+    batches handed out, and a ``load_state_dict`` to another position drops the read-ahead batch.
     """
 
-    def __init__(self, source: Source, global_batch_size: int, *, world_size: int = 1, rank: int = 0, epochs: int = 1):
+    def __init__(
+        self,
+        source: Source,
+        global_batch_size: int,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        epochs: int = 1,
+        read_ahead: bool = False,
+    ):
         self.lo, self.hi = rank_slice(global_batch_size, world_size, rank)
         self.source = source
         self.global_batch_size = global_batch_size
@@ -103,6 +118,8 @@ class BatchReader:
         self.position = 0  # global rows consumed, across epochs
         if source.num_rows is not None and source.num_rows < global_batch_size:
             raise DataError(f"source has {source.num_rows} rows, fewer than one global batch of {global_batch_size}")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
+        self._ahead: tuple[int, Future] | None = None  # (position, its batch or None past the end)
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -112,19 +129,39 @@ class BatchReader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> Batch:
+    def _read(self, position: int) -> Batch | None:
+        """The batch at global row ``position``; None past the last epoch."""
         g = self.global_batch_size
-        step = self.position // g
+        step = position // g
         per_epoch = self.batches_per_epoch
         if per_epoch is not None:
             if step >= per_epoch * self.epochs:
-                raise StopIteration
+                return None
             start = (step % per_epoch) * g
         else:
-            start = self.position
+            start = position
         arr = self.source.read(start + self.lo, self.hi - self.lo)
-        self.position += g
         return make_batch(arr.dense, arr.sparse, arr.labels)
+
+    def _take_ahead(self, position: int) -> Batch | None | bool:
+        """The read-ahead batch if it is for ``position`` (False if not); waits for it either way."""
+        if self._ahead is None:
+            return False
+        at, fut = self._ahead
+        self._ahead = None
+        batch = fut.result()  # a read error surfaces here, in the caller's thread
+        return batch if at == position else False
+
+    def __next__(self) -> Batch:
+        batch = self._take_ahead(self.position)
+        if batch is False:
+            batch = self._read(self.position)
+        if batch is None:
+            raise StopIteration
+        self.position += self.global_batch_size
+        if self._pool is not None:
+            self._ahead = (self.position, self._pool.submit(self._read, self.position))
+        return batch
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "global_batch_size": self.global_batch_size}
@@ -136,6 +173,15 @@ class BatchReader:
                 f"this reader uses {self.global_batch_size}"
             )
         self.position = int(state["position"])
+        if self._ahead is not None and self._ahead[0] != self.position:
+            self._take_ahead(-1)  # wait out the stale read (one read at a time), then drop it
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (after its read in flight)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+            self._ahead = None
 
 
 class ConcatSource:

@@ -17,7 +17,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -44,6 +45,7 @@ from embeddings.tables import TableSet
 from embeddings.wire import RowConnection, WireError
 
 T = TypeVar("T")
+BEHIND = "write-behind"  # the write-behind thread's name
 
 
 def one_try() -> Retry:
@@ -133,6 +135,8 @@ class RedisStore(StoreBase):
         self._locks = [threading.Lock() for _ in urls]  # one bulk call per shard socket at a time
         self._timed_out = [-1e18] * len(urls)  # when a row call last timed out (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
+        self._behind_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
+        self._behind: Future | None = None  # write_behind in flight (its commit point: join_behind)
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
         pool = redis.ConnectionPool.from_url(url, **self._kwargs)
@@ -311,6 +315,40 @@ class RedisStore(StoreBase):
         step: int | None = None,
         undo: np.ndarray | None = None,
     ) -> dict[int, ShardUnavailableError]:
+        """Write now; see ``_write_io``. -> the shards that failed, with their error."""
+        return self._write_io(keys, rows, shards, step, undo, hold=True)
+
+    def write_behind(self, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, step: int, undo: np.ndarray) -> None:
+        """``write_step`` on the write-behind thread: this thread trains on while the servers apply the
+        rows. The rows are held at once (the next step reads them from here), so only a process that
+        writes every shard it reads may use it. ``join_behind`` is the write's commit point: it
+        returns the shards that failed; until then a row read or write of this store from any other
+        thread waits for the write first (``_bulk``), so nothing reads a shard behind it."""
+        if self._behind is not None:
+            raise RuntimeError("write_behind: the previous write-behind was not joined")
+        if self.held is not None:
+            mine = np.isin(shards, list(self.held.shards))
+            self.held.put_keys(keys[mine], rows[mine])
+        self._behind = self._behind_pool.submit(self._write_io, keys, rows, shards, step, undo, False)
+
+    def behind_pending(self) -> Future | None:
+        """The write-behind not joined yet (its result: the failed shards), or None."""
+        return self._behind
+
+    def join_behind(self) -> dict[int, ShardUnavailableError]:
+        """The commit point of the last ``write_behind``: waits for it. -> the shards that failed."""
+        f, self._behind = self._behind, None
+        return {} if f is None else f.result()
+
+    def _write_io(
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        shards: np.ndarray,
+        step: int | None,
+        undo: np.ndarray | None,
+        hold: bool,
+    ) -> dict[int, ShardUnavailableError]:
         """Sorted packed keys (``shards``: the shard of each) and their rows [n, width]. With ``step``,
         each shard gets, in this order on one connection: the step's undo record (the rows' previous
         values), the rows, the step's applied marker. A writer that dies part way leaves the marker
@@ -348,7 +386,7 @@ class RedisStore(StoreBase):
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
                     continue
-                if self.held is not None and s in self.held.shards:  # written: now held as written
+                if hold and self.held is not None and s in self.held.shards:  # written: now held as written
                     self.held.put_keys(k, r)
         return failed
 
@@ -362,6 +400,9 @@ class RedisStore(StoreBase):
         """A row read or write on one shard. A call that queued for the shard while the call before it
         timed out fails at once: a write behind a timed-out prefetch does not wait a second time
         before the failure is seen."""
+        behind = self._behind
+        if behind is not None and not threading.current_thread().name.startswith(BEHIND):
+            futures_wait([behind])  # a write-behind in flight reaches the shard first
         queued = time.monotonic()
         with self._locks[shard]:
             if self._timed_out[shard] >= queued:
@@ -595,6 +636,7 @@ class RedisStore(StoreBase):
         return sum(self._on_shards(work).values())
 
     def close(self) -> None:
+        self._behind_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         for w in self._wires:
             w.close()

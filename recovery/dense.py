@@ -38,19 +38,26 @@ class DenseSaver:
         self._error: BaseException | None = None
         self.num_saves = 0
         self.seconds = 0.0
+        self.skipped: int | None = None  # the step whose save its gate refused (its rows did not reach a shard)
 
-    def save(self, step: int, state: Callable[[], dict]) -> None:
-        """``state()`` is called only here, on the writer: trainers that do not save pay nothing."""
+    def save(self, step: int, state: Callable[[], dict], gate: Callable[[], bool] | None = None) -> None:
+        """``state()`` is called only here, on the writer: trainers that do not save pay nothing.
+        ``gate``: called on the save thread before writing; False skips this save (``skipped``), so
+        the file never holds a step whose sparse write failed (a write-behind's)."""
         self.wait()
+        self.skipped = None
         if not self.writer:
             return
         snapshot = {"namespace": self.namespace, "step": step, **clone_state(state())}
-        self._thread = threading.Thread(target=self._write, args=(snapshot,), name="dense-save", daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(snapshot, gate), name="dense-save", daemon=True)
         self._thread.start()
 
-    def _write(self, snapshot: dict) -> None:
+    def _write(self, snapshot: dict, gate: Callable[[], bool] | None = None) -> None:
         t0 = time.perf_counter()
         try:
+            if gate is not None and not gate():
+                self.skipped = snapshot["step"]
+                return
             tmp = self.path.with_name(self.path.name + ".tmp")
             with open(tmp, "wb") as f:
                 torch.save(snapshot, f)
@@ -83,8 +90,9 @@ class NoDenseSaver:
 
     num_saves = 0
     seconds = 0.0
+    skipped = None
 
-    def save(self, step: int, state: Callable[[], dict]) -> None:
+    def save(self, step: int, state: Callable[[], dict], gate=None) -> None:
         pass
 
     def wait(self) -> None:

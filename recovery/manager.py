@@ -144,6 +144,7 @@ class RecoveryManager:
     log_dir: Path | None = None  # every shard's logs (rank 0 replays and trims them)
     restart_timeout_s: float = 60.0  # how long a remote shard's supervisor has to bring it back
     replica_wait: bool = False  # writers wait until replicas acknowledged each step's writes
+    write_behind: bool = False  # a step's write runs on the store's write-behind thread (one trainer)
 
     def __post_init__(self) -> None:
         try:
@@ -162,6 +163,11 @@ class RecoveryManager:
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
+        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step)
+        # of a write-behind that failed there, redone once the shard is recovered
+        self._behind: tuple | None = None
+        self._redo: dict[int, tuple[object, int]] = {}
+        self._redone: set[int] = set()
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -218,8 +224,15 @@ class RecoveryManager:
         return [int(s) for s in np.flatnonzero(flags)]
 
     def commit(self, step: int, phase: str) -> Outcome:
-        """A commit point: all trainers agree on the failed shards; if any, they are recovered."""
+        """A commit point: all trainers agree on the failed shards; if any, they are recovered. A
+        write-behind in flight is joined first when anything failed: its failed shards are recovered
+        with the others, and its part on them is redone before the phase's."""
+        if self._behind is not None and self._flags.any():
+            self._settle_behind()
         failed = self.sync()
+        for s in self._redone - set(failed):
+            self._redo.pop(s, None)
+        self._redone.clear()
         if not failed:
             return CONTINUE
         self.note(f"step {step} {phase}: shards {failed} failed")
@@ -230,12 +243,56 @@ class RecoveryManager:
         then the shards whose part must run again. Returns CONTINUE or a ROLLBACK outcome."""
         only = None
         for _ in range(MAX_ATTEMPTS):
+            if only is not None:
+                self._redo_behind(only)
             self.guard(lambda only=only: fn(only))
             out = self.commit(step, phase)
             if out.action is not Action.RETRY:
                 return out
+            for s in set(out.recovered) - set(out.redo):
+                self._redo.pop(s, None)  # restored as of this step or later: the write-behind's rows are there
             only = out.redo
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
+
+    # -- write-behind ----------------------------------------------------------------------------
+    def commit_behind(self) -> Outcome:
+        """The commit point of the write-behind in flight (if any): the trainer calls it before the
+        next step's update and before anything that reads the shards (saves, evaluation, the end).
+        A shard that failed under it is recovered and the step's write redone there, as a failure
+        during a synchronous update would be."""
+        if self._behind is None:
+            return CONTINUE
+        return self.run_phase(self._behind[1], "update", lambda only: self._settle_behind())
+
+    def behind_gate(self) -> Callable[[], bool] | None:
+        """For the per-step dense save: a wait for the write-behind in flight -> whether it wrote every
+        shard (a dense state is saved only once its step's rows are on the shards). None: none in flight."""
+        pending = self.store.behind_pending() if self._behind is not None else None
+        return None if pending is None else (lambda: not pending.result())
+
+    def _settle_behind(self) -> None:
+        """Join the write-behind: failed shards are recorded (their part is redone after their
+        recovery); the others' rows go to their logs, as a synchronous write's do."""
+        if self._behind is None:
+            return
+        update, step, keys, rows, shards = self._behind
+        self._behind = None
+        failed = self.store.join_behind()
+        for s in failed:
+            self._fail(s)
+            self._redo[s] = (update, step)
+        if self.logs or self.replica_wait:
+            for s in np.unique(shards).tolist():
+                if s not in failed:
+                    at = np.flatnonzero(shards == s)
+                    self._written(s, step, keys[at], rows[at])
+
+    def _redo_behind(self, only: tuple[int, ...]) -> None:
+        """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
+        for s in sorted(set(only) & set(self._redo)):
+            update, step = self._redo[s]
+            self._redone.add(s)
+            self.guard(lambda s=s, update=update, step=step: self.apply(update, step, (s,)))
 
     # -- accounting ------------------------------------------------------------------------------
     def count_updates(self, updated, step: int | None = None) -> None:
@@ -290,11 +347,13 @@ class RecoveryManager:
             return 0
         return log.append_step(step, [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()])
 
-    def apply(self, owned, step: int, only=None) -> None:
+    def apply(self, owned, step: int, only=None, behind: bool = False) -> None:
         """Write this step's rows of the shards this trainer owns, then group-commit them to the
         shards' logs. ``owned``: a ``StepUpdate`` (sorted packed keys, gradients, shards) or a dict
         table name -> (ids, grads). The optimizer runs once over every shard's rows and the shards
-        are written in parallel; a failed shard is recorded and does not stop the others."""
+        are written in parallel; a failed shard is recorded and does not stop the others.
+        ``behind`` (with ``write_behind``, first attempt only): the write goes to the write-behind
+        thread; ``commit_behind`` is its commit point."""
         for log in self.logs.values():
             log.wait()  # the previous step's records are written before this step's rows move
         if isinstance(owned, dict):
@@ -311,6 +370,12 @@ class RecoveryManager:
             self._apply_by_shard(keys, grads, shards, step)
             return
         new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
+        if behind and self.write_behind and only is None:
+            if self._behind is not None:
+                raise RecoveryError(f"step {step}: the write-behind of step {self._behind[1]} was not committed")
+            self.store.write_behind(keys, new, shards, step, undo=current)
+            self._behind = (owned, step, keys, new, shards)
+            return
         failed = self.store.write_step(keys, new, shards, step, undo=current)
         for s in failed:
             self._fail(s)
@@ -653,6 +718,8 @@ class RecoveryManager:
     # -- starts and restarts ----------------------------------------------------------------------
     def on_rollback(self, to_step: int) -> None:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
+        self._behind = None  # joined at the commit point that rolled back
+        self._redo.clear()
         for log in self.logs.values():
             log.truncate_after(to_step)
             log.open_segment(to_step + 1)
@@ -833,6 +900,12 @@ class NoRecovery:
     def run_phase(self, step: int, phase: str, fn) -> Outcome:
         fn(None)
         return CONTINUE
+
+    def commit_behind(self) -> Outcome:
+        return CONTINUE
+
+    def behind_gate(self) -> None:
+        return None
 
     def count_updates(self, updated, step=None) -> None:
         pass

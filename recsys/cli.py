@@ -68,6 +68,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--steps": ("train", "steps", int, "training steps"),
     "--batch-size": ("train", "batch_size", int, "global batch size (split over trainers)"),
     "--trainers": ("train", "trainers", int, "local trainer processes (torchrun sets its own world)"),
+    "--threads": ("train", "threads", int, "torch threads per trainer (0: cores left after local shards)"),
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
     "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),
@@ -147,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         "corrupt-checkpoint:latest[@step=N]; WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
+    tr.add_argument(
+        "--no-write-behind",
+        action="store_true",
+        help="write each step's rows before the next step starts (default with one trainer: while it computes)",
+    )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     tr.add_argument(
         "--replica-wait",
@@ -207,6 +213,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["recovery"]["inject"] = list(args.inject)
     if args.no_prefetch:
         sections["embeddings"]["prefetch"] = False
+    if args.no_write_behind:
+        sections["embeddings"]["write_behind"] = False
     if args.save_model:
         sections["train"]["save_model"] = True
     if args.replica_wait:

@@ -100,6 +100,10 @@ class EmbeddingConfig:
     held_rows_mb: int = 2048
     """Each trainer holds the rows it writes in memory (write-through), up to this many MB of tables:
     updates and stages read them there instead of from Redis. 0: off."""
+    write_behind: bool = True
+    """With one trainer (it writes every shard it reads) and held rows: a step's rows go to the shards
+    on a background thread while the next step computes; their commit point is the next update (or
+    any save, evaluation or the end), where a failed write is recovered and redone as before."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
 
@@ -187,9 +191,14 @@ class TrainConfig:
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    threads: int = 0
+    """torch intra-op threads per trainer; 0: the host's cores left after the local Redis servers
+    (``--redis local``), split over the trainers, at least 1. Cores the servers need are not given to
+    torch: its idle threads spin, and a shard that waits for a core stalls every step."""
 
     def __post_init__(self) -> None:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
+        _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: auto)")
         _check(self.trainers > 0, "trainers", self.trainers, "must be > 0")
         _check(self.batch_size > 0, "batch_size", self.batch_size, "must be > 0")
         _check(

@@ -244,10 +244,23 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
         restart_timeout_s=rc.shard_restart_timeout,
         replica_wait=cfg.embeddings.replica_wait,
+        write_behind=cfg.embeddings.write_behind and world == 1 and store.held is not None,
     )
     if ckpt is not None:
         ckpt.on_saved = manager.on_checkpoint_saved
     return manager, ckpt, injector
+
+
+def torch_threads(cfg: RunConfig, world_size: int) -> int:
+    """``--threads``, or the host's cores left after its local Redis servers, split over the trainers."""
+    if cfg.train.threads:
+        return cfg.train.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    e = cfg.embeddings
+    servers = 0
+    if e.embeddings == "redis" and e.redis == "local":
+        servers = e.shards * (2 if e.replicas == "local" else 1)
+    return max(1, (cores - servers) // world_size)
 
 
 class Trainer:
@@ -264,6 +277,8 @@ class Trainer:
     ) -> None:
         self.t_setup = time.perf_counter()
         self.cfg, self.namespace, self.world_size, self.rank = cfg, namespace, world_size, rank
+        self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
+        torch.set_num_threads(torch_threads(cfg, world_size))
         self.specs = specs or []
         self.num_shards = len(urls)
         self.steps, self.batch_size = cfg.train.steps, cfg.train.batch_size
@@ -276,7 +291,9 @@ class Trainer:
         self.model = DistributedDataParallel(self.plain) if world_size > 1 else self.plain
         self.opt = dense_optimizer(cfg, dense_params(self.plain))
         self.data = sources(cfg)
-        self.reader = BatchReader(self.data.train, self.batch_size, world_size=world_size, rank=rank, epochs=1 << 30)
+        self.reader = BatchReader(
+            self.data.train, self.batch_size, world_size=world_size, rank=rank, epochs=1 << 30, read_ahead=True
+        )
         self.coll = collective(world_size)
         self.recovery, self.checkpointer, self.injector = build_recovery(cfg, self.backend, self.specs, self.coll, rank)
         self.dense_saver = (
@@ -375,6 +392,8 @@ class Trainer:
                 self.injector.close()
             self.recovery.close()
             self.backend.close()
+            self.reader.close()
+            torch.set_num_threads(self._threads_before)
 
     def show_progress(self, bar) -> None:
         bar.n = self.step
@@ -424,12 +443,18 @@ class Trainer:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""
         update = self.backend.gradients()
         self.dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
+        out = self.recovery.commit_behind()  # step - 1's write-behind commits (or is recovered) first
+        if out.rolled_back:
+            return out
+        if self.dense_saver.skipped == step - 1:  # its write failed when it was saved: now it is redone
+            self.dense_saver.save(step - 1, lambda: self.state_dict(step - 1))
+            self.dense_saver.wait()
         if update is None:
             self.backend.apply_local()
             return CONTINUE
 
         def write(only) -> None:
-            self.recovery.apply(update, step, only)
+            self.recovery.apply(update, step, only, behind=True)
             if self.injector is not None:
                 self.injector.mid_step(step)
 
@@ -441,9 +466,16 @@ class Trainer:
     def after_step(self, loss: torch.Tensor) -> Outcome:
         """Saves, logging and evaluation after a completed step."""
         step = self.step
-        self.dense_saver.save(step, lambda: self.state_dict(step))  # built only where it is saved
+        # built only where it is saved, and written once the step's write-behind is on the shards
+        self.dense_saver.save(step, lambda: self.state_dict(step), gate=self.recovery.behind_gate())
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
+        eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
+        sched = self.schedule
+        if eval_now or sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step):
+            out = self.recovery.commit_behind()  # saves and evaluation read the shards as of this step
+            if out.rolled_back:
+                return out
         if self.schedule.checkpoint_due(step):
             out = self.checkpoint(step)
         elif self.schedule.priority_due(step):
@@ -452,7 +484,6 @@ class Trainer:
             self.flush(step)
         if out.rolled_back:
             return out
-        eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
             mean_loss = loss.detach().clone()
             if self.world_size > 1:
@@ -568,6 +599,9 @@ class Trainer:
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
+        out = self.recovery.commit_behind()  # the last step's write-behind
+        if out.rolled_back:
+            return out, None
         self.dense_saver.wait()
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -632,6 +666,7 @@ class Trainer:
             "embedding_digest": digest,
             "embeddings": cfg.embeddings.embeddings,
             "trainers": self.world_size,
+            "torch_threads": torch.get_num_threads(),
             "shards": self.num_shards,
             "recovery": cfg.recovery.recovery,
             "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,

@@ -9,6 +9,12 @@ count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, th
 trainer restarts on). samples/s counts training steps only (no setup, no evaluation); the step-time
 columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows out, waiting, after).
 
+``--data preprocessed`` (default): the synthetic stream is written once to preprocessed Criteo
+files (``kaggle_*.npy``, memory-mapped) and every engine, the reference included, trains from
+them, as a production job trains from preprocessed data. ``--data synthetic``: the project's
+engines generate each batch (teacher labels and all) inside their step, as ``recsys train`` does
+by default, while the reference still trains from pre-built batches.
+
 ``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
 shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
 says where it can no longer allocate its tables (needed beside available memory).
@@ -26,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from recsys.config import DataConfig, EmbeddingConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from recsys.launch import run  # noqa: E402
 
@@ -33,8 +41,9 @@ from recsys.launch import run  # noqa: E402
 def config(
     args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int, rows=None, dim=None
 ) -> RunConfig:
+    rows = rows or args.rows_per_table
     return RunConfig(
-        data=DataConfig(rows_per_table=rows or args.rows_per_table, eval_samples=4096),
+        data=DataConfig(data=data_spec(args, rows), rows_per_table=rows, eval_samples=4096),
         model=ModelConfig(embedding_dim=dim or args.embedding_dim),
         embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch),
         optim=OptimConfig(optimizer=args.optimizer),
@@ -88,6 +97,28 @@ def fused_samples_per_s(args, rows=None, dim=None) -> float:
     return args.steps * args.batch_size / (time.perf_counter() - t0)
 
 
+def data_spec(args, rows: int) -> str:
+    """``--data preprocessed``: the synthetic stream of ``rows`` rows per table written once as
+    preprocessed Criteo files (kaggle layout: days 0-5 train, then val), enough for every step and
+    the warm-up. -> the ``data`` value that reads them."""
+    if args.data == "synthetic":
+        return "synthetic"
+    folder = Path(args.tmp) / f"data-{rows}"
+    if not (folder / "kaggle_labels.npy").exists():
+        from data.synthetic import SyntheticSource
+        from recsys.datasets import synthetic_config
+
+        base = RunConfig(data=DataConfig(rows_per_table=rows))
+        train_rows = (args.steps + 12) * args.batch_size  # the timed steps, the warm-up, one read ahead
+        total = -(-train_rows * 7 // 6) + 4096 * 3  # days 0-5 train; day 6's first half holds the eval samples
+        samples = SyntheticSource(synthetic_config(base), "train").read(0, total)
+        folder.mkdir(parents=True)
+        np.save(folder / "kaggle_dense.npy", samples.dense.astype(np.float32))
+        np.save(folder / "kaggle_sparse.npy", samples.sparse)
+        np.save(folder / "kaggle_labels.npy", samples.labels.astype(np.int32).reshape(-1, 1))
+    return f"criteo-kaggle:{folder}"
+
+
 def mem_available() -> int:
     for line in open("/proc/meminfo"):
         if line.startswith("MemAvailable:"):
@@ -125,6 +156,12 @@ def main() -> None:
     ap.add_argument("--trainers", default="1,2", help="comma-separated trainer counts for the Redis tier")
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
     ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")
+    ap.add_argument(
+        "--data",
+        default="preprocessed",
+        choices=["preprocessed", "synthetic"],
+        help="preprocessed: every engine trains from the same preprocessed files; synthetic: generated in the step",
+    )
     args = ap.parse_args()
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     shard_counts = [int(s) for s in args.shards.split(",")]
@@ -132,6 +169,7 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        args.tmp = tmp
         rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}))
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
         rows.append(("--embeddings local (fused)", 1, 1, "-", base["throughput_samples_per_s"], base["step_ms"]))
@@ -146,7 +184,7 @@ def main() -> None:
     ref = rows[0][4]
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
-        f"optimizer={args.optimizer}\n"
+        f"optimizer={args.optimizer} data={args.data}\n"
     )
     parts = ["rows_in", "data", "compute", "rows_out", "waiting", "after"]
     print("| engine | shards | trainers | prefetch | samples/s | x fused | " + " | ".join(parts) + " (ms/step) |")

@@ -159,6 +159,20 @@ def test_reader_resume_equals_uninterrupted(tmp_path, kind):
     np.testing.assert_array_equal(np.concatenate([r0.labels, r1.labels]), whole.labels.numpy())
 
 
+def test_read_ahead_yields_the_same_batches_and_follows_a_rewind(tmp_path):
+    preprocess(SAMPLE, tmp_path, "s", progress=False)
+    make = lambda: BinarySource(BinaryCriteo.open(tmp_path, "s"), [1000] * NUM_SPARSE)  # noqa: E731
+    plain = list(BatchReader(make(), 32, epochs=2))
+    ahead = BatchReader(make(), 32, epochs=2, read_ahead=True)
+    got = [next(ahead) for _ in range(3)]
+    assert ahead.state_dict()["position"] == 3 * 32  # counts batches handed out, not the one read ahead
+    ahead.load_state_dict({"position": 32, "global_batch_size": 32})  # a rollback: the read-ahead batch is dropped
+    got += list(ahead)
+    ahead.close()
+    assert_same_batches(got, plain[:3] + plain[1:])
+    assert len(got) == 3 + len(plain) - 1
+
+
 def test_binary_reader_ends_after_last_full_batch(tmp_path):
     preprocess(SAMPLE, tmp_path, "s", progress=False)
     src = BinarySource(BinaryCriteo.open(tmp_path, "s"), [50] * NUM_SPARSE)
