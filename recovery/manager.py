@@ -168,6 +168,7 @@ class RecoveryManager:
         self._behind: tuple | None = None
         self._redo: dict[int, tuple[object, int]] = {}
         self._redone: set[int] = set()
+        self._seen_at: int | None = None  # commit_behind's step: failure records name it
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -255,14 +256,19 @@ class RecoveryManager:
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
     # -- write-behind ----------------------------------------------------------------------------
-    def commit_behind(self) -> Outcome:
+    def commit_behind(self, now: int) -> Outcome:
         """The commit point of the write-behind in flight (if any): the trainer calls it before the
         next step's update and before anything that reads the shards (saves, evaluation, the end).
         A shard that failed under it is recovered and the step's write redone there, as a failure
-        during a synchronous update would be."""
+        during a synchronous update would be. ``now``: the step the trainer is in, which a failure
+        record names (with ``write_step``, the step whose write saw it, where they differ)."""
         if self._behind is None:
             return CONTINUE
-        return self.run_phase(self._behind[1], "update", lambda only: self._settle_behind())
+        self._seen_at = now
+        try:
+            return self.run_phase(self._behind[1], "update", lambda only: self._settle_behind())
+        finally:
+            self._seen_at = None
 
     def behind_gate(self) -> Callable[[], bool] | None:
         """For the per-step dense save: a wait for the write-behind in flight -> whether it wrote every
@@ -585,10 +591,12 @@ class RecoveryManager:
             began = fired if fired is not None else detected
         elif fired is not None:
             began = max(began, fired)  # a call that began before the failure lost only what came after it
+        seen = self._seen_at if self._seen_at is not None else step
         return {
             "kind": kind,
             "target": target,
-            "step": step,
+            "step": seen,
+            **({"write_step": step} if seen != step else {}),
             "strategy": str(self.strategy),
             # seconds from the failure to the moment a call saw it (the trainer went on working
             # meanwhile), and of those, how long the call that saw it ran (its work is redone; all of
@@ -901,7 +909,7 @@ class NoRecovery:
         fn(None)
         return CONTINUE
 
-    def commit_behind(self) -> Outcome:
+    def commit_behind(self, now: int) -> Outcome:
         return CONTINUE
 
     def behind_gate(self) -> None:

@@ -443,7 +443,7 @@ class Trainer:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""
         update = self.backend.gradients()
         self.dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
-        out = self.recovery.commit_behind()  # step - 1's write-behind commits (or is recovered) first
+        out = self.recovery.commit_behind(step)  # step - 1's write-behind commits (or is recovered) first
         if out.rolled_back:
             return out
         if self.dense_saver.skipped == step - 1:  # its write failed when it was saved: now it is redone
@@ -473,7 +473,7 @@ class Trainer:
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
         sched = self.schedule
         if eval_now or sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step):
-            out = self.recovery.commit_behind()  # saves and evaluation read the shards as of this step
+            out = self.recovery.commit_behind(step)  # saves and evaluation read the shards as of this step
             if out.rolled_back:
                 return out
         if self.schedule.checkpoint_due(step):
@@ -599,7 +599,7 @@ class Trainer:
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
-        out = self.recovery.commit_behind()  # the last step's write-behind
+        out = self.recovery.commit_behind(self.steps)  # the last step's write-behind
         if out.rolled_back:
             return out, None
         self.dense_saver.wait()
