@@ -41,6 +41,8 @@ class BatchKeys:
     offsets: torch.Tensor
     """Bag offsets over ``inverse``: [num_features * B + 1]."""
     batch_size: int
+    single: bool = False
+    """Every bag holds one value (Criteo's features): a bag's pooled row is its row."""
 
 
 def sum_by_key(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -147,7 +149,9 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
         base = torch.repeat_interleave(self._bases, counts)
         uniq, inverse = torch.unique(values + base, return_inverse=True)
-        return BatchKeys(uniq.numpy(), inverse, offsets.to(torch.int64), batch)
+        offsets = offsets.to(torch.int64)
+        single = len(values) == len(names) * batch and bool(torch.all(offsets[1:] - offsets[:-1] == 1))
+        return BatchKeys(uniq.numpy(), inverse, offsets, batch, single)
 
     def unique_keys(self, features: KeyedJaggedTensor) -> np.ndarray:
         """The sorted unique packed row keys that ``forward(features)`` will pull."""
@@ -163,7 +167,10 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if track:
                 rows.requires_grad_(True)
                 self._pending.append((ctx.keys, [rows]))
-            pooled = F.embedding_bag(ctx.inverse, rows, ctx.offsets, mode=self._mode, include_last_offset=True)
+            if ctx.single:  # one value per bag: a gather, whose backward is a quarter of embedding_bag's
+                pooled = rows[ctx.inverse]
+            else:
+                pooled = F.embedding_bag(ctx.inverse, rows, ctx.offsets, mode=self._mode, include_last_offset=True)
             # [num_features * B, dim], feature-major -> [B, num_features * dim]
             values = pooled.view(num, batch, self.dim).transpose(0, 1).reshape(batch, num * self.dim)
             return KeyedTensor(keys=keys, length_per_key=[self.dim] * num, values=values, key_dim=1)
