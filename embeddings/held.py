@@ -43,6 +43,7 @@ class HeldRows:
         self.bytes = total * self.width * 4
         self.hits = 0
         self.generation = 0  # bumped by clear(): what a read learned before it is void
+        self.version = 0  # bumped by every change: a read of rows held at this version is still current
         self._lock = threading.Lock()
 
     def holds(self, table: int) -> bool:
@@ -81,6 +82,7 @@ class HeldRows:
             return
         mine = at >= 0
         with self._lock:
+            self.version += 1
             if mine.all():
                 self._rows[at] = rows
                 self._state[at] = HELD
@@ -100,6 +102,7 @@ class HeldRows:
             with self._lock:
                 if generation != self.generation:
                     return
+                self.version += 1
                 at = at[self._state[at] == UNKNOWN]
                 self._state[at] = ABSENT
 
@@ -107,9 +110,11 @@ class HeldRows:
         """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""
         if self.holds(table):
             with self._lock:
+                self.version += 1
                 self._state[self._base[table] + np.asarray(ids, np.int64)] = ABSENT
 
     def clear(self) -> None:
         with self._lock:
             self.generation += 1
+            self.version += 1
             self._state[:] = UNKNOWN
