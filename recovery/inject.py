@@ -206,6 +206,11 @@ class Injector:
         rec = self._latest_on(shard)
         return rec["time"] if rec is not None else None
 
+    def fired_step(self, shard: int) -> int | None:
+        """The step at which the latest injection on ``shard`` fired, if any."""
+        rec = self._latest_on(shard)
+        return rec.get("step") if rec is not None else None
+
     def kind_of(self, shard: int) -> str:
         rec = self._latest_on(shard)
         return rec["kind"] if rec is not None else "shard"

@@ -260,8 +260,9 @@ class RecoveryManager:
         """The commit point of the write-behind in flight (if any): the trainer calls it before the
         next step's update and before anything that reads the shards (saves, evaluation, the end).
         A shard that failed under it is recovered and the step's write redone there, as a failure
-        during a synchronous update would be. ``now``: the step the trainer is in, which a failure
-        record names (with ``write_step``, the step whose write saw it, where they differ)."""
+        during a synchronous update would be. ``now``: the step the trainer is in. A failure record
+        names the step an injected failure fired at (else the write's), and ``write_step``, the step
+        whose write saw it, where they differ."""
         if self._behind is None:
             return CONTINUE
         self._seen_at = now
@@ -591,7 +592,10 @@ class RecoveryManager:
             began = fired if fired is not None else detected
         elif fired is not None:
             began = max(began, fired)  # a call that began before the failure lost only what came after it
-        seen = self._seen_at if self._seen_at is not None else step
+        seen = step
+        if self._seen_at is not None:  # a write-behind's failure: it happened in steps step .. _seen_at
+            at = self.injector.fired_step(target) if self.injector is not None else None
+            seen = at if at is not None and step <= at <= self._seen_at else step
         return {
             "kind": kind,
             "target": target,
