@@ -167,8 +167,8 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if track:
                 rows.requires_grad_(True)
                 self._pending.append((ctx.keys, [rows]))
-            if ctx.single:  # one value per bag: a gather, whose backward is a quarter of embedding_bag's
-                pooled = rows[ctx.inverse]
+            if ctx.single:  # one value per bag: a gather, whose backward (index_add) is a quarter of embedding_bag's
+                pooled = rows.index_select(0, ctx.inverse)
             else:
                 pooled = F.embedding_bag(ctx.inverse, rows, ctx.offsets, mode=self._mode, include_last_offset=True)
             # [num_features * B, dim], feature-major -> [B, num_features * dim]
