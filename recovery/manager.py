@@ -361,8 +361,9 @@ class RecoveryManager:
         are written in parallel; a failed shard is recorded and does not stop the others.
         ``behind`` (with ``write_behind``, first attempt only): the write goes to the write-behind
         thread; ``commit_behind`` is its commit point."""
-        for log in self.logs.values():
-            log.wait()  # the previous step's records are written before this step's rows move
+        behind = behind and self.write_behind and only is None
+        if not behind:
+            self._wait_logs()
         if isinstance(owned, dict):
             owned = self._update_of(owned)
         keys, grads, shards = owned.keys, owned.grads, owned.shards
@@ -377,10 +378,11 @@ class RecoveryManager:
             self._apply_by_shard(keys, grads, shards, step)
             return
         new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
-        if behind and self.write_behind and only is None:
+        if behind:
             if self._behind is not None:
                 raise RecoveryError(f"step {step}: the write-behind of step {self._behind[1]} was not committed")
-            self.store.write_behind(keys, new, shards, step, undo=current)
+            # the write-behind thread waits for the logs: the last step's records keep being written meanwhile
+            self.store.write_behind(keys, new, shards, step, undo=current, before=self._wait_logs)
             self._behind = (owned, step, keys, new, shards)
             return
         failed = self.store.write_step(keys, new, shards, step, undo=current)
@@ -391,6 +393,11 @@ class RecoveryManager:
                 if s not in failed:
                     at = np.flatnonzero(shards == s)
                     self._written(s, step, keys[at], new[at])
+
+    def _wait_logs(self) -> None:
+        """The previous step's records are written before this step's rows move."""
+        for log in self.logs.values():
+            log.wait()
 
     def _written(self, s: int, step: int, keys: np.ndarray, rows: np.ndarray) -> None:
         self.log_step(step, s, keys, rows)
