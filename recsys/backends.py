@@ -64,7 +64,12 @@ class StoreBackend:
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
             self.store.hold_rows(mine, cfg.embeddings.held_rows_mb << 20)
-        self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch else None
+        held = self.store.held
+        # one trainer holding every table reads every row from memory: a prefetch would only copy them twice
+        held_all = (
+            world_size == 1 and held is not None and all(held.holds(t) for t in range(len(self.store.tables.specs)))
+        )
+        self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch and not held_all else None
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)
         self.names = self.store.tables.names

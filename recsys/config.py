@@ -91,7 +91,8 @@ class EmbeddingConfig:
     timeout_s: float = 5.0
     """Deadline of every store call; a shard that does not answer in time is failed."""
     prefetch: bool = True
-    """Pull the next batch's rows while this batch computes."""
+    """Pull the next batch's rows while this batch computes (not where one trainer holds every table:
+    its rows are all in memory)."""
     namespace: str = ""
     """Key namespace of the run in Redis (default: a fresh one per run)."""
     replicas: str = ""
