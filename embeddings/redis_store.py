@@ -137,6 +137,7 @@ class RedisStore(StoreBase):
         self._timed_out = [-1e18] * len(urls)  # when a row call last timed out (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
         self._behind_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
+        self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
         self._behind: Future | None = None  # write_behind in flight (its commit point: join_behind)
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
@@ -332,26 +333,19 @@ class RedisStore(StoreBase):
         shards: np.ndarray,
         step: int,
         undo: np.ndarray,
-        before: Callable[[], None] | None = None,
     ) -> None:
         """``write_step`` on the write-behind thread: this thread trains on while the servers apply the
         rows. The rows are held at once (the next step reads them from here), so only a process that
         writes every shard it reads may use it. ``join_behind`` is the write's commit point: it
         returns the shards that failed; until then a row read or write of this store from any other
-        thread waits for the write first (``_bulk``), so nothing reads a shard behind it. ``before``
-        runs on the write-behind thread first (what must be durable before the rows move)."""
+        thread waits for the write first (``_bulk``), so nothing reads a shard behind it."""
         if self._behind is not None:
             raise RuntimeError("write_behind: the previous write-behind was not joined")
         if self.held is not None:
             mine = np.isin(shards, list(self.held.shards))
             self.held.put_keys(keys[mine], rows[mine])
 
-        def write() -> dict[int, ShardUnavailableError]:
-            if before is not None:
-                before()
-            return self._write_io(keys, rows, shards, step, undo, False)
-
-        self._behind = self._behind_pool.submit(write)
+        self._behind = self._behind_pool.submit(self._write_io, keys, rows, shards, step, undo, False)
 
     def behind_pending(self) -> Future | None:
         """The write-behind not joined yet (its result: the failed shards), or None."""
@@ -360,7 +354,13 @@ class RedisStore(StoreBase):
     def join_behind(self) -> dict[int, ShardUnavailableError]:
         """The commit point of the last ``write_behind``: waits for it. -> the shards that failed."""
         f, self._behind = self._behind, None
-        return {} if f is None else f.result()
+        if f is None:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            return f.result()
+        finally:
+            self.behind_wait_s += time.perf_counter() - t0
 
     def _write_io(
         self,

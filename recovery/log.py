@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from embeddings.redis_store import BEHIND
 from recovery.errors import RecoveryError
 from recovery.files import fsync_dir, write_atomic
 
@@ -102,6 +104,7 @@ class ShardLog:
         self._last_fsync = time.monotonic()
         self.bytes_written = 0
         self.seconds = 0.0  # on the training path: handing a step's records over, waiting for the last
+        self.behind_seconds = 0.0  # waits on the write-behind thread (off the path unless the path waits for it)
         self.background_seconds = 0.0  # encoding, writing and syncing, off the path
         self.num_cut_bytes = 0
         self._pool: ThreadPoolExecutor | None = None
@@ -178,7 +181,11 @@ class ShardLog:
             t0 = time.perf_counter()
             pending, self._pending = self._pending, None
             pending.result()
-            self.seconds += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            if threading.current_thread().name.startswith(BEHIND):
+                self.behind_seconds += waited
+            else:
+                self.seconds += waited
 
     def records(self, after_step: int, up_to_step: int | None = None) -> Iterator[LogRecord]:
         """Records with ``after_step < step <= up_to_step``, in log order, across segments. A segment

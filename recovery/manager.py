@@ -279,7 +279,10 @@ class RecoveryManager:
 
     def _settle_behind(self) -> None:
         """Join the write-behind: failed shards are recorded (their part is redone after their
-        recovery); the others' rows go to their logs, as a synchronous write's do."""
+        recovery, unless the recovery brought them to its step). Its rows went to the shards' logs
+        when it was handed over (``apply``): a failed shard's log then holds the step, and a log
+        replay restores it as of the step (no redo); a trainer restart cuts the logs back to its
+        dense state's step. Replicas are waited for here, as after a synchronous write."""
         if self._behind is None:
             return
         update, step, keys, rows, shards = self._behind
@@ -288,11 +291,10 @@ class RecoveryManager:
         for s in failed:
             self._fail(s)
             self._redo[s] = (update, step)
-        if self.logs or self.replica_wait:
+        if self.replica_wait:
             for s in np.unique(shards).tolist():
-                if s not in failed:
-                    at = np.flatnonzero(shards == s)
-                    self._written(s, step, keys[at], rows[at])
+                if s not in failed and self.store.has_replica(s):
+                    self._replicated(s)
 
     def _redo_behind(self, only: tuple[int, ...]) -> None:
         """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
@@ -360,7 +362,9 @@ class RecoveryManager:
         table name -> (ids, grads). The optimizer runs once over every shard's rows and the shards
         are written in parallel; a failed shard is recorded and does not stop the others.
         ``behind`` (with ``write_behind``, first attempt only): the write goes to the write-behind
-        thread; ``commit_behind`` is its commit point."""
+        thread; ``commit_behind`` is its commit point. Its records are handed to the logs first
+        (after the last step's are written): the step's rows move only once the step before is in
+        the logs, as for a synchronous write."""
         behind = behind and self.write_behind and only is None
         if not behind:
             self._wait_logs()
@@ -381,8 +385,11 @@ class RecoveryManager:
         if behind:
             if self._behind is not None:
                 raise RecoveryError(f"step {step}: the write-behind of step {self._behind[1]} was not committed")
-            # the write-behind thread waits for the logs: the last step's records keep being written meanwhile
-            self.store.write_behind(keys, new, shards, step, undo=current, before=self._wait_logs)
+            if self.logs:  # the step's records go to the logs now, beside its write (see ``_settle_behind``)
+                for s in np.unique(shards).tolist():
+                    at = np.flatnonzero(shards == s)
+                    self.log_step(step, s, keys[at], new[at])  # waits for the last step's records first
+            self.store.write_behind(keys, new, shards, step, undo=current)
             self._behind = (owned, step, keys, new, shards)
             return
         failed = self.store.write_step(keys, new, shards, step, undo=current)
@@ -402,8 +409,11 @@ class RecoveryManager:
     def _written(self, s: int, step: int, keys: np.ndarray, rows: np.ndarray) -> None:
         self.log_step(step, s, keys, rows)
         if self.replica_wait and self.store.has_replica(s):
-            ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
-            self.unacked_waits += int(ok and acked < 1)
+            self._replicated(s)
+
+    def _replicated(self, s: int) -> None:
+        ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
+        self.unacked_waits += int(ok and acked < 1)
 
     def _apply_by_shard(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
         for s in np.unique(shards).tolist():

@@ -624,6 +624,8 @@ class Trainer:
         )
         log_us = self.coll.max_flags(np.array([int(1e6 * sum(x.seconds for x in logs))], dtype=np.int64))[0]
         totals = np.array([saved[0], log_us / 1e6, saved[1], saved[2]])  # log bytes, log s, priority, flush bytes
+        self.log_behind_s = sum(x.behind_seconds for x in logs)
+        self.log_background_s = sum(x.background_seconds for x in logs)
         res: dict = {}
 
         def final(only) -> None:
@@ -682,6 +684,9 @@ class Trainer:
             ],
             "log_bytes": int(totals[0]),
             "log_seconds": round(float(totals[1]), 4),
+            "log_behind_seconds": round(self.log_behind_s, 4),
+            "log_background_seconds": round(self.log_background_s, 4),
+            "behind_wait_s": round(getattr(self.backend.store, "behind_wait_s", 0.0), 4),
             "checkpoint_every": self.schedule.every,
             "checkpoint_plan": self.schedule.plan,
             "priority_saves": len(self.priority_pauses),
