@@ -6,8 +6,9 @@ next write, unless recovery changes the shard behind its back. ``HeldRows`` keep
 row's state (unknown, held, known never written), for the rows of the shards this trainer writes,
 so that one gather serves a whole batch of packed row keys: an update reads current rows (weights and optimizer state) from here instead of
 re-reading them from Redis, and a stage of the next batch reads them from here too. Rows enter
-only after the write that put them on their shard succeeded; any restore, rollback or reconnect
-of a shard forgets everything (``clear``), and the next reads go to Redis again.
+after the write that put them on their shard succeeded, or from a read of their shard (``found``);
+a restore, rollback or reconnect of a shard forgets that shard's rows (``clear(shard)``), whose next
+reads go to Redis again; the other shards' rows stay.
 
 Tables that would not fit ``budget_bytes`` (with those before them), or whose row width differs
 from the first table's, are not held.
@@ -26,7 +27,9 @@ UNKNOWN, HELD, ABSENT = 0, 1, 2  # ABSENT: read as never written; only its write
 
 
 class HeldRows:
-    def __init__(self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int) -> None:
+    def __init__(self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int, owner_of=None) -> None:
+        """``owner_of(table, ids)``: the shard of each row (``ShardMap.shard_of``), so that a shard's
+        rows can be forgotten alone; without it ``clear`` forgets every row."""
         self.shards = set(shards)
         # one flat [rows, width] array for every held table (one gather serves a whole batch); table t
         # starts at _base[t], or is not held (-1): over the budget, or a row width unlike the first's
@@ -38,8 +41,19 @@ class HeldRows:
                 continue
             self._base[t] = total
             total += spec.num_rows
-        self._rows = np.empty((total, self.width), np.float32)  # pages touched as rows arrive
+        self._num_rows = [spec.num_rows for spec in tables.specs]
+        # every page is touched now, as an engine that allocates its tables does: left to the first
+        # write of each row, a step that writes thousands of new rows faults in a page for each
+        self._rows = np.zeros((total, self.width), np.float32)
+        self._rows.fill(0.0)
         self._state = np.zeros(total, np.int8)  # UNKNOWN, HELD or ABSENT per row
+        self._owner = None  # the shard of each row
+        if owner_of is not None and total:
+            self._owner = np.empty(total, np.int16)
+            for t, spec in enumerate(tables.specs):
+                if self._base[t] >= 0:
+                    ids = np.arange(spec.num_rows, dtype=np.int64)
+                    self._owner[self._base[t] : self._base[t] + spec.num_rows] = owner_of(t, ids)
         self.bytes = total * self.width * 4
         self.hits = 0
         self.generation = 0  # bumped by clear(): what a read learned before it is void
@@ -106,6 +120,20 @@ class HeldRows:
                 at = at[self._state[at] == UNKNOWN]
                 self._state[at] = ABSENT
 
+    def found(self, table: int, ids: np.ndarray, rows: np.ndarray, generation: int) -> None:
+        """Rows of ``shards`` that a read (begun at ``generation``) found on their shard: as the
+        single writer, this trainer holds them from now on. A row written or forgotten since that
+        read began keeps its state (a write since holds newer values)."""
+        if self.holds(table):
+            at = self._base[table] + np.asarray(ids, np.int64)
+            with self._lock:
+                if generation != self.generation:
+                    return
+                self.version += 1
+                new = self._state[at] == UNKNOWN
+                self._rows[at[new]] = rows[new]
+                self._state[at[new]] = HELD
+
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""
         if self.holds(table):
@@ -113,8 +141,29 @@ class HeldRows:
                 self.version += 1
                 self._state[self._base[table] + np.asarray(ids, np.int64)] = ABSENT
 
-    def clear(self) -> None:
+    def clear(self, shard: int | None = None) -> None:
+        """Forget the rows of ``shard`` (None: of every shard); a read begun before learns nothing.
+        A row known never written stays so: a restore, a rollback or a promotion brings a shard back
+        to an earlier state of its own writes, where that row was not written either (a rollback
+        that writes a row's lazy-init value back leaves what the lazy init gives)."""
         with self._lock:
             self.generation += 1
             self.version += 1
-            self._state[:] = UNKNOWN
+            held = self._state == HELD
+            if shard is not None and self._owner is not None:
+                held &= self._owner == shard
+            self._state[held] = UNKNOWN
+
+    def unknown(self, shard: int) -> dict[int, np.ndarray]:
+        """Table -> ids of ``shard``'s rows whose value is not known here (forgotten since held)."""
+        out = {}
+        for t in np.flatnonzero(self._base >= 0).tolist():
+            lo = int(self._base[t])
+            hi = lo + self._num_rows[t]
+            mask = self._state[lo:hi] == UNKNOWN
+            if self._owner is not None:
+                mask &= self._owner[lo:hi] == shard
+            ids = np.flatnonzero(mask)
+            if len(ids):
+                out[t] = ids
+        return out

@@ -138,6 +138,7 @@ class RedisStore(StoreBase):
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
         self._behind_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
         self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
+        self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
         self._behind: Future | None = None  # write_behind in flight (its commit point: join_behind)
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
@@ -253,8 +254,12 @@ class RedisStore(StoreBase):
             for (t, pos), (rows, missing) in zip(groups, replies[s]):
                 out[t][0][pos] = rows.view("<f4").reshape(len(pos), self.width(t))
                 out[t][1][pos] = missing
-                if self.held is not None and s in self.held.shards and missing.any():
-                    self.held.absent(t, requests[t][pos[missing]], generation)
+                if self.held is not None and s in self.held.shards:
+                    if missing.any():
+                        self.held.absent(t, requests[t][pos[missing]], generation)
+                    if not self._from_redis and not missing.all():  # the writer holds them from now on
+                        present = ~missing
+                        self.held.found(t, requests[t][pos[present]], out[t][0][pos[present]], generation)
         return out
 
     def _store(self, requests, step=None, undo=None):
@@ -437,7 +442,8 @@ class RedisStore(StoreBase):
 
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
         """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
-        self.held = HeldRows(self.tables, [self.width(t) for t in range(len(self.tables.specs))], shards, budget_bytes)
+        widths = [self.width(t) for t in range(len(self.tables.specs))]
+        self.held = HeldRows(self.tables, widths, shards, budget_bytes, owner_of=self.shard_map.shard_of)
         return self.held
 
     def assume_fresh(self) -> None:
@@ -451,6 +457,19 @@ class RedisStore(StoreBase):
                 owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
                 self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
 
+    def reload_held(self, shard: int) -> int:
+        """After a shard was restored: read back the rows this writer held on it (one bulk read), so
+        that the steps after the recovery read them from memory again and its write-behind keeps
+        overlapping them; rows no longer on the shard are known never written. -> rows read."""
+        if self.held is None or shard not in self.held.shards:
+            return 0
+        t0 = time.perf_counter()
+        requests = self.held.unknown(shard)
+        if requests:
+            self._fetch(requests)
+        self.reload_s += time.perf_counter() - t0
+        return sum(len(ids) for ids in requests.values())
+
     @contextlib.contextmanager
     def from_redis(self):
         """Reads inside go to the shards even for held rows: an evaluation or a digest checks what the
@@ -461,10 +480,11 @@ class RedisStore(StoreBase):
         finally:
             self._from_redis -= 1
 
-    def _forget(self) -> None:
-        """A shard changed behind the writers' backs (restore, rollback, failover): held rows go."""
+    def _forget(self, shard: int | None = None) -> None:
+        """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
+        (None: every shard's)."""
         if self.held is not None:
-            self.held.clear()
+            self.held.clear(shard)
 
     # -- per-shard operations (recovery) ----------------------------------------------------
     def client(self, shard: int) -> redis.Redis:
@@ -480,7 +500,7 @@ class RedisStore(StoreBase):
     def reconnect(self, shard: int) -> None:
         """Drop this shard's connections (its server was replaced); the next call opens new ones. On
         a cluster, the shard follows its slot to the node that serves it now (after a failover)."""
-        self._forget()
+        self._forget(shard)
         with self._locks[shard]:
             self._wires[shard].close()
             self._timed_out[shard] = -1e18
@@ -495,7 +515,7 @@ class RedisStore(StoreBase):
                 self._repoint(shard, url)
 
     def _repoint(self, shard: int, url: str) -> None:
-        self._forget()
+        self._forget(shard)
         with self._locks[shard]:
             self._wires[shard].close()
             self._pools[shard].disconnect()
@@ -560,7 +580,7 @@ class RedisStore(StoreBase):
 
     def write_shard(self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None) -> int:
         """Write rows (table index, ids, rows [n, width]) onto one shard, with its applied-step marker."""
-        self._forget()
+        self._forget(shard)
         args = [(self.prefix(t, shard), ids, rows) for t, ids, rows in groups]
         extra = [[b"SET", self.meta_key("applied", shard), b"%d" % step]] if step is not None else []
 
@@ -574,7 +594,7 @@ class RedisStore(StoreBase):
         """Back to ``to_step``: undo the one step a shard applied after it, or the rows a writer that
         died part way through step ``to_step + 1`` left (marker still at ``to_step``, undo record of
         ``to_step + 1``). Returns rows restored."""
-        self._forget()
+        self._forget(shard)
         applied = self.applied_step(shard) or 0  # never applied: cut short in its first step, or untouched
         if applied < to_step:
             return 0
@@ -604,7 +624,7 @@ class RedisStore(StoreBase):
 
     def clear_shard(self, shard: int) -> int:
         """Delete every key of this namespace on one shard; returns how many."""
-        self._forget()
+        self._forget(shard)
         return self._call(shard, lambda: self._unlink_keys(shard))
 
     def _unlink_keys(self, shard: int) -> int:

@@ -168,6 +168,7 @@ class RecoveryManager:
         self._behind: tuple | None = None
         self._redo: dict[int, tuple[object, int]] = {}
         self._redone: set[int] = set()
+        self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self._seen_at: int | None = None  # commit_behind's step: failure records name it
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
@@ -300,6 +301,9 @@ class RecoveryManager:
         """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
         for s in sorted(set(only) & set(self._redo)):
             update, step = self._redo[s]
+            if self._as_of.get(s, -1) >= step:  # its log (or its replica) brought it to that step
+                del self._redo[s]
+                continue
             self._redone.add(s)
             self.guard(lambda s=s, update=update, step=step: self.apply(update, step, (s,)))
 
@@ -439,7 +443,8 @@ class RecoveryManager:
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
         n = self.store.num_shards
         self.settle()
-        # [fatal, rollback + 1, recovered[n], redo[n]]: rank 0 fills it, the others learn it by a MAX
+        # [fatal, rollback + 1, recovered as of step + 1 [n], redo[n]]: rank 0 fills it, the others
+        # learn it by a MAX
         verdict = np.zeros(2 + 2 * n, dtype=np.int64)
         error: Exception | None = None
         if self.rank == 0:
@@ -447,7 +452,7 @@ class RecoveryManager:
                 rollback, restored_to = self._recover_on_rank0(failed, step, phase)
                 verdict[1] = rollback + 1
                 for s, at in restored_to.items():
-                    verdict[2 + s] = 1
+                    verdict[2 + s] = at + 1
                     verdict[2 + n + s] = int(at < step)
             except Exception as e:  # noqa: BLE001 - every trainer must learn that recovery failed
                 verdict[0], error = 1, e
@@ -457,11 +462,15 @@ class RecoveryManager:
                 raise error
             raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
         recovered = [int(s) for s in np.flatnonzero(verdict[2 : 2 + n])]
+        for s in recovered:  # a write-behind's step the restore already covers is not redone
+            self._as_of[s] = int(verdict[2 + s]) - 1
         for s in range(n) if self.strategy.rolls_back else recovered:
             if self.strategy.promotes:
                 self.store.failover(s)  # every trainer serves the shard from its promoted replica
             else:
                 self.store.reconnect(s)  # connections to the old processes are dead
+        for s in recovered:  # the rows this trainer held on them, read back in one bulk read
+            self.guard(lambda s=s: self.store.reload_held(s))
         self.drain()
         for s in recovered:
             self._detected.pop(s, None)

@@ -117,6 +117,7 @@ def summarize(strategy: str, s: dict, ref: dict) -> dict:
     # restart has no such call: its whole detection time counts)
     failure_s = sum(f.get("failed_call_s", f["detected_after_s"]) + f["recovery_s"] for f in fails)
     failure_s += sum(f.get("recomputed_steps", 0) for f in fails) * step_s
+    failure_s += s.get("held_reload_s", 0.0)  # the writers reading their restored shards' rows back
     ckpt_s = sum(c["pause_s"] for c in s.get("checkpoints", []))
     saving_s = ckpt_s + s.get("log_seconds", 0.0) + s.get("priority_pause_s", 0.0) + s.get("flush_pause_s", 0.0)
     written = sum(c["bytes"] for c in s.get("checkpoints", []))

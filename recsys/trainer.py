@@ -622,7 +622,11 @@ class Trainer:
                 dtype=np.float64,
             )
         )
-        log_us = self.coll.max_flags(np.array([int(1e6 * sum(x.seconds for x in logs))], dtype=np.int64))[0]
+        reload_s = getattr(self.backend.store, "reload_s", 0.0)  # held rows read back after restores
+        log_us, reload_us = self.coll.max_flags(
+            np.array([int(1e6 * sum(x.seconds for x in logs)), int(1e6 * reload_s)], dtype=np.int64)
+        )
+        self.reload_s = reload_us / 1e6
         totals = np.array([saved[0], log_us / 1e6, saved[1], saved[2]])  # log bytes, log s, priority, flush bytes
         self.log_behind_s = sum(x.behind_seconds for x in logs)
         self.log_background_s = sum(x.background_seconds for x in logs)
@@ -687,6 +691,7 @@ class Trainer:
             "log_behind_seconds": round(self.log_behind_s, 4),
             "log_background_seconds": round(self.log_background_s, 4),
             "behind_wait_s": round(getattr(self.backend.store, "behind_wait_s", 0.0), 4),
+            "held_reload_s": round(self.reload_s, 4),
             "checkpoint_every": self.schedule.every,
             "checkpoint_plan": self.schedule.plan,
             "priority_saves": len(self.priority_pauses),

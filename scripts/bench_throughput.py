@@ -16,11 +16,15 @@ them, as a production job trains from preprocessed data. ``--data synthetic``: t
 engines generate each batch (teacher labels and all) inside their step, as ``recsys train`` does
 by default, while the reference still trains from pre-built batches.
 
+``--pairs N``: then N pairs, each the reference and the tier's goal configuration (1 trainer, 2
+shards) measured back to back, in alternating order; the ratio of each pair and their median. On a
+shared machine whose speed moves over minutes, a pair's two figures see the same machine.
+
 ``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
 shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
 says where it can no longer allocate its tables (needed beside available memory).
 
-    python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2]
+    python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -158,6 +162,12 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
     ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")
     ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="then N back-to-back pairs (reference, tier 1 trainer 2 shards): ratio of each, median",
+    )
+    ap.add_argument(
         "--data",
         default="preprocessed",
         choices=["preprocessed", "synthetic"],
@@ -187,6 +197,15 @@ def main() -> None:
             1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {})
         )
         swept = sweep(args, Path(tmp)) if args.sweep else []
+        pairs = []
+        for i in range(args.pairs):
+            tier = lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1))  # noqa: E731
+            if i % 2 == 0:
+                fused, summary = fused_samples_per_s(args), tier()
+            else:
+                summary = tier()
+                fused = fused_samples_per_s(args)
+            pairs.append((fused, summary["throughput_samples_per_s"]))
     ref = max(rows[0][4], rows[1][4])
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
@@ -198,6 +217,16 @@ def main() -> None:
     for name, s, w, p, tput, ms in rows:
         cells = " | ".join(str(ms.get(k, "")) for k in parts)
         print(f"| {name} | {s} | {w} | {p} | {tput:,.0f} | {tput / ref:.2f}x | {cells} |")
+    if pairs:
+        print("\n| pair | order | fused samples/s | tier samples/s (1 trainer, 2 shards) | x fused |")
+        print("|---|---|---|---|---|")
+        for i, (fused, tier) in enumerate(pairs):
+            order = "fused, tier" if i % 2 == 0 else "tier, fused"
+            print(f"| {i + 1} | {order} | {fused:,.0f} | {tier:,.0f} | {tier / fused:.2f}x |")
+        ratios = sorted(t / f for f, t in pairs)
+        print(
+            f"\nmedian of {len(pairs)} pairs: {float(np.median(ratios)):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+        )
     if swept:
         print(
             "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | fused engine samples/s | tier rows_in / rows_out ms |"

@@ -210,6 +210,71 @@ def test_log_recovery_replays_to_the_exact_rows(rig, namespace):
     assert mgr.failures[0]["lost_updates"] == 0 and store.applied_steps()[2] == 8
 
 
+def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, namespace):
+    """After a partial restore of one shard, the writer holds every row again, as the shards hold it:
+    the other shards' rows were kept, the restored shard's read back in one bulk read."""
+    sh, store, ckpt, logs = rig
+    store.hold_rows({0, 1, 2}, 1 << 30)
+    store.assume_fresh()
+    mgr = make_manager("partial", store, sh, ckpt, logs)
+    rng = np.random.default_rng(4)
+    train_steps(mgr, store, 1, 4, rng)
+    checkpoint(mgr, ckpt, 4, namespace)
+    train_steps(mgr, store, 5, 7, rng)
+    kept = store.held.generation
+    sh.kill(1)
+    with store.from_redis():
+        ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
+    assert not ok and mgr.recover(mgr.sync(), 8, "pull") is None
+    assert store.held.generation > kept and store.reload_s > 0
+    assert all(store.held.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
+    held = all_rows(store)
+    with store.from_redis():
+        tier = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(held[t.name], tier[t.name])
+
+
+def test_a_write_behind_that_failed_but_reached_the_log_is_not_redone(rig, namespace):
+    """One trainer writing behind: a step's records go to the logs when its write is handed over. A
+    shard that dies under that write and is seen by the next step's read is replayed from its log
+    up to that step, so the write is not redone on it (redone, its update would be applied twice)."""
+    sh, store, ckpt, logs = rig
+    store.hold_rows({0, 1, 2}, 1 << 30)
+    store.assume_fresh()
+    mgr = make_manager("log", store, sh, ckpt, logs, write_behind=True)
+    rng = np.random.default_rng(3)
+
+    def step(n: int) -> None:
+        grads = {}
+        for t in TABLES:
+            grads[t.name] = (
+                rng.choice(t.num_rows, 40, replace=False),
+                rng.standard_normal((40, t.dim)).astype(np.float32),
+            )
+        assert not mgr.commit_behind(n).rolled_back
+        mgr.apply(grads, n, behind=True)
+
+    for n in range(1, 5):
+        step(n)
+    assert not mgr.commit_behind(5).rolled_back
+    checkpoint(mgr, ckpt, 4, namespace)
+    for n in range(5, 8):
+        step(n)
+    assert not mgr.commit_behind(8).rolled_back
+    sh.kill(2)
+    step(8)  # its write fails on shard 2 in the background; its records are in the logs
+    expected = all_rows(store)  # the held rows: every row as of step 8
+    with store.from_redis():
+        out = mgr.run_phase(9, "stage", lambda only: store.pull("a", np.arange(300)))
+    assert out.action.name == "CONTINUE" and mgr.failures[0]["target"] == 2
+    with store.from_redis():
+        after = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(after[t.name], expected[t.name])
+    assert store.applied_steps()[2] == 8
+
+
 def test_corrupt_checkpoint_is_detected_never_loaded_and_restore_falls_back(rig, namespace):
     sh, store, ckpt, logs = rig
     mgr = make_manager("partial", store, sh, ckpt, logs)
