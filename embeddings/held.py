@@ -111,28 +111,27 @@ class HeldRows:
     def absent(self, table: int, ids: np.ndarray, generation: int) -> None:
         """Rows of ``shards`` that a read (begun at ``generation``) found never written. A row written
         or forgotten since that read began keeps its state."""
-        if self.holds(table):
-            at = self._base[table] + np.asarray(ids, np.int64)
-            with self._lock:
-                if generation != self.generation:
-                    return
-                self.version += 1
-                at = at[self._state[at] == UNKNOWN]
-                self._state[at] = ABSENT
+        self._learned(table, ids, None, generation)
 
     def found(self, table: int, ids: np.ndarray, rows: np.ndarray, generation: int) -> None:
         """Rows of ``shards`` that a read (begun at ``generation``) found on their shard: as the
         single writer, this trainer holds them from now on. A row written or forgotten since that
         read began keeps its state (a write since holds newer values)."""
-        if self.holds(table):
-            at = self._base[table] + np.asarray(ids, np.int64)
-            with self._lock:
-                if generation != self.generation:
-                    return
-                self.version += 1
-                new = self._state[at] == UNKNOWN
+        self._learned(table, ids, rows, generation)
+
+    def _learned(self, table: int, ids: np.ndarray, rows: np.ndarray | None, generation: int) -> None:
+        """What a read learned of rows still unknown: their values (``rows``), or that they are absent."""
+        if not self.holds(table):
+            return
+        at = self._base[table] + np.asarray(ids, np.int64)
+        with self._lock:
+            if generation != self.generation:
+                return
+            self.version += 1
+            new = self._state[at] == UNKNOWN
+            if rows is not None:
                 self._rows[at[new]] = rows[new]
-                self._state[at[new]] = HELD
+            self._state[at[new]] = ABSENT if rows is None else HELD
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""

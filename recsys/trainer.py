@@ -622,7 +622,7 @@ class Trainer:
                 dtype=np.float64,
             )
         )
-        reload_s = getattr(self.backend.store, "reload_s", 0.0)  # held rows read back after restores
+        reload_s = getattr(getattr(self.backend, "store", None), "reload_s", 0.0)  # held rows read back after restores
         log_us, reload_us = self.coll.max_flags(
             np.array([int(1e6 * sum(x.seconds for x in logs)), int(1e6 * reload_s)], dtype=np.int64)
         )
@@ -690,7 +690,7 @@ class Trainer:
             "log_seconds": round(float(totals[1]), 4),
             "log_behind_seconds": round(self.log_behind_s, 4),
             "log_background_seconds": round(self.log_background_s, 4),
-            "behind_wait_s": round(getattr(self.backend.store, "behind_wait_s", 0.0), 4),
+            "behind_wait_s": round(getattr(getattr(self.backend, "store", None), "behind_wait_s", 0.0), 4),
             "held_reload_s": round(self.reload_s, 4),
             "checkpoint_every": self.schedule.every,
             "checkpoint_plan": self.schedule.plan,
