@@ -338,19 +338,26 @@ class RedisStore(StoreBase):
         shards: np.ndarray,
         step: int,
         undo: np.ndarray,
+        before: Callable[[], None] | None = None,
     ) -> None:
         """``write_step`` on the write-behind thread: this thread trains on while the servers apply the
         rows. The rows are held at once (the next step reads them from here), so only a process that
         writes every shard it reads may use it. ``join_behind`` is the write's commit point: it
         returns the shards that failed; until then a row read or write of this store from any other
-        thread waits for the write first (``_bulk``), so nothing reads a shard behind it."""
+        thread waits for the write first (``_bulk``), so nothing reads a shard behind it. ``before``
+        runs on the write-behind thread first (what must be durable before the rows move)."""
         if self._behind is not None:
             raise RuntimeError("write_behind: the previous write-behind was not joined")
         if self.held is not None:
             mine = np.isin(shards, list(self.held.shards))
             self.held.put_keys(keys[mine], rows[mine])
 
-        self._behind = self._behind_pool.submit(self._write_io, keys, rows, shards, step, undo, False)
+        def write() -> dict[int, ShardUnavailableError]:
+            if before is not None:
+                before()
+            return self._write_io(keys, rows, shards, step, undo, False)
+
+        self._behind = self._behind_pool.submit(write)
 
     def behind_pending(self) -> Future | None:
         """The write-behind not joined yet (its result: the failed shards), or None."""

@@ -145,15 +145,18 @@ class ShardLog:
         self._file = open(path, "ab")
         fsync_dir(self.dir)
 
-    def append_step(self, step: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> int:
+    def append_step(self, step: int, groups: list[tuple[int, np.ndarray, np.ndarray]], wait: bool = True) -> int:
         """Group commit of one step's updates (table, ids, new rows), written by a background thread
         while training goes on; returns the bytes it will write. The writer calls ``wait`` before the
-        next step's rows reach the shard, and recovery before it reads the log, so a record is on
-        disk before anything depends on it (``fsync`` policy: as for a synchronous write)."""
+        next step's rows reach the shard, and recovery before it reads the log, so a record is on disk
+        before anything depends on it (``fsync`` policy: as for a synchronous write). ``wait=False``:
+        the records before are not waited for here (they are written first all the same; the caller
+        waits for them with ``wait_for(pending())`` taken before this call)."""
         if self._file is None:
             raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
         t0 = time.perf_counter()
-        self.wait()
+        if wait:
+            self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
         nbytes = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
@@ -178,14 +181,24 @@ class ShardLog:
     def wait(self) -> None:
         """The records handed over so far are written (and synced per the policy)."""
         if self._pending is not None:
-            t0 = time.perf_counter()
             pending, self._pending = self._pending, None
-            pending.result()
-            waited = time.perf_counter() - t0
-            if threading.current_thread().name.startswith(BEHIND):
-                self.behind_seconds += waited
-            else:
-                self.seconds += waited
+            self.wait_for(pending)
+
+    def pending(self) -> Future | None:
+        """The write of the records handed over so far (None: all written): for ``wait_for``."""
+        return self._pending
+
+    def wait_for(self, pending: Future | None) -> None:
+        """Those records are written: waited on the write-behind thread, off the training path."""
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        pending.result()
+        waited = time.perf_counter() - t0
+        if threading.current_thread().name.startswith(BEHIND):
+            self.behind_seconds += waited
+        else:
+            self.seconds += waited
 
     def records(self, after_step: int, up_to_step: int | None = None) -> Iterator[LogRecord]:
         """Records with ``after_step < step <= up_to_step``, in log order, across segments. A segment

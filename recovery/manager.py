@@ -123,6 +123,12 @@ class Laps:
         self.t = now
 
 
+def _wait_all(pending: list) -> None:
+    """Each log's records handed over before (``ShardLog.pending``) are written."""
+    for log, future in pending:
+        log.wait_for(future)
+
+
 @dataclass
 class RecoveryManager:
     strategy: Strategy | str
@@ -353,12 +359,13 @@ class RecoveryManager:
         for s in range(self.store.num_shards):
             ShardLog(self.log_dir, s).drop_before(oldest)
 
-    def log_step(self, step: int, shard: int, keys: np.ndarray, rows: np.ndarray) -> int:
+    def log_step(self, step: int, shard: int, keys: np.ndarray, rows: np.ndarray, wait: bool = True) -> int:
         """Group-commit this step's rows written to ``shard`` (sorted packed keys) to its log."""
         log = self.logs.get(shard)
         if log is None:
             return 0
-        return log.append_step(step, [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()])
+        groups = [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()]
+        return log.append_step(step, groups, wait)
 
     def apply(self, owned, step: int, only=None, behind: bool = False) -> None:
         """Write this step's rows of the shards this trainer owns, then group-commit them to the
@@ -389,11 +396,13 @@ class RecoveryManager:
         if behind:
             if self._behind is not None:
                 raise RecoveryError(f"step {step}: the write-behind of step {self._behind[1]} was not committed")
-            if self.logs:  # the step's records go to the logs now, beside its write (see ``_settle_behind``)
-                for s in np.unique(shards).tolist():
-                    at = np.flatnonzero(shards == s)
-                    self.log_step(step, s, keys[at], new[at])  # waits for the last step's records first
-            self.store.write_behind(keys, new, shards, step, undo=current)
+            # the step's records go to the logs now, beside its write (see ``_settle_behind``); the
+            # write-behind thread waits for the last step's before this step's rows move
+            before = [(log, log.pending()) for log in self.logs.values()]
+            for s in np.unique(shards).tolist() if self.logs else []:
+                at = np.flatnonzero(shards == s)
+                self.log_step(step, s, keys[at], new[at], wait=False)
+            self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before))
             self._behind = (owned, step, keys, new, shards)
             return
         failed = self.store.write_step(keys, new, shards, step, undo=current)
