@@ -44,7 +44,7 @@ class HeldRows:
         self._num_rows = [spec.num_rows for spec in tables.specs]
         # every page is touched now, as an engine that allocates its tables does: left to the first
         # write of each row, a step that writes thousands of new rows faults in a page for each
-        self._rows = np.zeros((total, self.width), np.float32)
+        self._rows = np.empty((total, self.width), np.float32)
         self._rows.fill(0.0)
         self._state = np.zeros(total, np.int8)  # UNKNOWN, HELD or ABSENT per row
         self._owner = None  # the shard of each row

@@ -189,7 +189,8 @@ class ShardLog:
         return self._pending
 
     def wait_for(self, pending: Future | None) -> None:
-        """Those records are written: waited on the write-behind thread, off the training path."""
+        """Those records are written. A wait on the write-behind thread is off the training path
+        (``behind_seconds``); any other is on it (``seconds``)."""
         if pending is None:
             return
         t0 = time.perf_counter()
