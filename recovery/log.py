@@ -100,7 +100,8 @@ class ShardLog:
         self.shard = shard
         self.fsync_policy = fsync
         self._fsync_ms = parse_fsync_policy(fsync)
-        self._file = None
+        self._file = None  # touched by the log's thread while a write or switch is queued
+        self._opened = False  # the writer's view: a segment is open or queued to open
         self._last_fsync = time.monotonic()
         self.bytes_written = 0
         self.seconds = 0.0  # on the training path: handing a step's records over, waiting for the last
@@ -122,13 +123,14 @@ class ShardLog:
         While records are being written in the background (at a checkpoint), the switch is queued
         behind them on the log's thread and the caller goes on: records of later steps land in the
         new segment, and ``wait`` reports a failure of the switch like one of a write."""
-        if self._pool is not None and self._file is not None:
+        if self._pool is not None and self._opened:
             t0 = time.perf_counter()
             self._pending = self._pool.submit(self._switch, self._pending, first_step)
             self.seconds += time.perf_counter() - t0
             return
         self.close()
         self._open(first_step)
+        self._opened = True
 
     def _switch(self, before: Future | None, first_step: int) -> None:
         if before is not None:
@@ -152,7 +154,7 @@ class ShardLog:
         before anything depends on it (``fsync`` policy: as for a synchronous write). ``wait=False``:
         the records before are not waited for here (they are written first all the same; the caller
         waits for them with ``wait_for(pending())`` taken before this call)."""
-        if self._file is None:
+        if not self._opened:
             raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
         t0 = time.perf_counter()
         if wait:
@@ -248,6 +250,7 @@ class ShardLog:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._close_file()
+        self._opened = False
 
     def _close_file(self) -> None:
         if self._file is not None:

@@ -1,4 +1,5 @@
 import json
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +93,33 @@ def test_log_reads_only_segments_that_can_hold_later_steps_and_truncation_drops_
         log.append_step(step, [(0, np.array([step]), row * -step)])
     log.close()
     assert [(r.step, float(r.rows[0, 0])) for r in log.records(after_step=21)] == [(22, -22.0), (23, -23.0)]
+
+
+def test_a_step_appended_right_after_a_queued_segment_switch_lands_in_the_new_segment(tmp_path):
+    """At a checkpoint the switch to a new segment is queued behind the records in flight and the
+    writer goes on at once: its next append must neither see the log closed mid-switch nor land in
+    the old segment."""
+
+    class SlowDisk(ShardLog):  # opening a segment takes a while: the switch is still running at the append
+        def _open(self, first_step):
+            time.sleep(0.02)
+            super()._open(first_step)
+
+    log = SlowDisk(tmp_path, 0, "always")
+    log.open_segment(1)
+    row = np.ones((1, 3), np.float32)
+    for step in range(1, 121):
+        log.append_step(step, [(0, np.array([step]), row * step)], wait=False)
+        time.sleep(0.002)  # a step's compute
+        if step % 3 == 0:
+            log.open_segment(step + 1)  # queued: the records of ``step`` are still being written
+    log.close()
+    segs = log.segments()
+    assert [ShardLog.first_step(s) for s in segs] == [1, *range(4, 122, 3)]
+    for seg, nxt in zip(segs, [*segs[1:], None]):
+        steps = [r.step for r in scan(seg)[0]]
+        last = ShardLog.first_step(nxt) - 1 if nxt is not None else 120
+        assert steps == list(range(ShardLog.first_step(seg), last + 1))
 
 
 def test_update_counter_and_pls():
