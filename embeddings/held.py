@@ -8,7 +8,8 @@ so that one gather serves a whole batch of packed row keys: an update reads curr
 re-reading them from Redis, and a stage of the next batch reads them from here too. Rows enter
 after the write that put them on their shard succeeded, or from a read of their shard (``found``);
 a restore, rollback or reconnect of a shard forgets that shard's rows (``clear(shard)``), whose next
-reads go to Redis again; the other shards' rows stay.
+reads go to Redis again; the other shards' rows stay. A restore that brought the shard back to
+exactly what its writer wrote (a log replay) holds them again (``reinstate``).
 
 Tables that would not fit ``budget_bytes`` (with those before them), or whose row width differs
 from the first table's, are not held.
@@ -59,6 +60,7 @@ class HeldRows:
         self.generation = 0  # bumped by clear(): what a read learned before it is void
         self.version = 0  # bumped by every change: a read of rows held at this version is still current
         self._lock = threading.Lock()
+        self._forgotten: dict[int, np.ndarray] = {}  # per shard: rows held until ``clear`` forgot them
 
     def holds(self, table: int) -> bool:
         return bool(self._base[table] >= 0)
@@ -152,6 +154,31 @@ class HeldRows:
             if shard is not None and self._owner is not None:
                 held &= self._owner == shard
             self._state[held] = UNKNOWN
+            if shard is None or self._owner is None:
+                self._forgotten.clear()
+            else:
+                pos = np.flatnonzero(held)
+                before = self._forgotten.get(shard)
+                self._forgotten[shard] = pos if before is None else np.union1d(before, pos)
+
+    def reinstate(self, shard: int) -> int:
+        """The shard was restored to exactly what this writer had written to it (a log replay up to
+        its last step): the rows ``clear`` forgot are held again, with the values they had (a row
+        written or read since keeps its state). -> rows held again."""
+        with self._lock:
+            pos = self._forgotten.pop(shard, None)
+            if pos is None or not len(pos):
+                return 0
+            self.version += 1
+            pos = pos[self._state[pos] == UNKNOWN]
+            self._state[pos] = HELD
+            return len(pos)
+
+    def drop_forgotten(self, shard: int) -> None:
+        """The forgotten rows of ``shard`` are not to be held again (their shard went back to an
+        earlier state)."""
+        with self._lock:
+            self._forgotten.pop(shard, None)
 
     def unknown(self, shard: int) -> dict[int, np.ndarray]:
         """Table -> ids of ``shard``'s rows whose value is not known here (forgotten since held)."""

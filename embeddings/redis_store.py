@@ -471,11 +471,23 @@ class RedisStore(StoreBase):
         if self.held is None or shard not in self.held.shards:
             return 0
         t0 = time.perf_counter()
+        self.held.drop_forgotten(shard)
         requests = self.held.unknown(shard)
         if requests:
             self._fetch(requests)
         self.reload_s += time.perf_counter() - t0
         return sum(len(ids) for ids in requests.values())
+
+    def reinstate_held(self, shard: int, keys: np.ndarray | None = None, rows: np.ndarray | None = None) -> int:
+        """After a shard was restored to exactly what this writer wrote to it (its log replayed up to
+        the writer's last step): the rows it held there are held again, no read. ``keys``/``rows``: a
+        write that failed on the shard but that the replay applied. -> rows held again."""
+        if self.held is None or shard not in self.held.shards:
+            return 0
+        n = self.held.reinstate(shard)
+        if keys is not None and len(keys):
+            self.held.put_keys(keys, rows)
+        return n
 
     @contextlib.contextmanager
     def from_redis(self):

@@ -169,10 +169,11 @@ class RecoveryManager:
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
-        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step)
-        # of a write-behind that failed there, redone once the shard is recovered
+        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step,
+        # its keys and rows there) of a write-behind that failed there, redone once the shard is recovered
         self._behind: tuple | None = None
-        self._redo: dict[int, tuple[object, int]] = {}
+        self._redo: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
+        self._last_logged: dict[int, int] = {}  # shard -> the last step this writer handed to its log
         self._redone: set[int] = set()
         self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self._seen_at: int | None = None  # commit_behind's step: failure records name it
@@ -297,7 +298,8 @@ class RecoveryManager:
         failed = self.store.join_behind()
         for s in failed:
             self._fail(s)
-            self._redo[s] = (update, step)
+            at = np.flatnonzero(shards == s)
+            self._redo[s] = (update, step, keys[at], rows[at])
         if self.replica_wait:
             for s in np.unique(shards).tolist():
                 if s not in failed and self.store.has_replica(s):
@@ -306,7 +308,7 @@ class RecoveryManager:
     def _redo_behind(self, only: tuple[int, ...]) -> None:
         """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
         for s in sorted(set(only) & set(self._redo)):
-            update, step = self._redo[s]
+            update, step, _, _ = self._redo[s]
             if self._as_of.get(s, -1) >= step:  # its log (or its replica) brought it to that step
                 del self._redo[s]
                 continue
@@ -365,6 +367,7 @@ class RecoveryManager:
         if log is None:
             return 0
         groups = [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()]
+        self._last_logged[shard] = max(step, self._last_logged.get(shard, step))
         return log.append_step(step, groups, wait)
 
     def apply(self, owned, step: int, only=None, behind: bool = False) -> None:
@@ -478,8 +481,8 @@ class RecoveryManager:
                 self.store.failover(s)  # every trainer serves the shard from its promoted replica
             else:
                 self.store.reconnect(s)  # connections to the old processes are dead
-        for s in recovered:  # the rows this trainer held on them, read back in one bulk read
-            self.guard(lambda s=s: self.store.reload_held(s))
+        for s in recovered:  # the rows this trainer held on them: held again, or read back in one bulk read
+            self._rehold(s)
         self.drain()
         for s in recovered:
             self._detected.pop(s, None)
@@ -489,6 +492,18 @@ class RecoveryManager:
             self.counter.total = self.counter.at_step.get(to, np.zeros_like(self.counter.total)).copy()
             return Outcome(Action.ROLLBACK, tuple(recovered), tuple(recovered), to)
         return Outcome(Action.RETRY, tuple(recovered), tuple(int(s) for s in np.flatnonzero(verdict[2 + n :])))
+
+    def _rehold(self, s: int) -> None:
+        """After shard ``s`` was recovered: a log replay up to the last step this writer logged for
+        it left exactly the rows it wrote (and a failed write-behind's, which the log held): they are
+        held again without a read. Any other restore took the shard back: its rows are read back."""
+        last = self._last_logged.get(s)
+        if self.strategy.replays_log and last is not None and self._as_of.get(s, -1) >= last:
+            redo = self._redo.get(s)
+            keys, rows = (redo[2], redo[3]) if redo is not None and redo[1] <= self._as_of[s] else (None, None)
+            self.store.reinstate_held(s, keys, rows)
+            return
+        self.guard(lambda: self.store.reload_held(s))
 
     def _finish_record(self, rec: dict, phase: str) -> None:
         rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
@@ -767,6 +782,7 @@ class RecoveryManager:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
         self._behind = None  # joined at the commit point that rolled back
         self._redo.clear()
+        self._last_logged = {s: min(at, to_step) for s, at in self._last_logged.items()}
         for log in self.logs.values():
             log.truncate_after(to_step)
             log.open_segment(to_step + 1)

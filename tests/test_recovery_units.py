@@ -263,6 +263,38 @@ def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, na
         np.testing.assert_array_equal(held[t.name], tier[t.name])
 
 
+def test_a_log_replay_to_the_writers_last_step_keeps_its_held_rows_without_a_read(rig, namespace):
+    """A log replay brings the shard back to exactly what its writer wrote: the rows it held there
+    are held again with no read from Redis, and equal what the shard now holds."""
+    sh, store, ckpt, logs = rig
+    store.hold_rows({0, 1, 2}, 1 << 30)
+    store.assume_fresh()
+    mgr = make_manager("log", store, sh, ckpt, logs)
+    rng = np.random.default_rng(5)
+    train_steps(mgr, store, 1, 4, rng)
+    checkpoint(mgr, ckpt, 4, namespace)
+    train_steps(mgr, store, 5, 7, rng)
+    before = all_rows(store)
+    sh.kill(1)
+    with store.from_redis():
+        ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
+    assert not ok and mgr.recover(mgr.sync(), 8, "pull") is None
+    assert store.reload_s == 0 and all(store.held.unknown(s) == {} for s in range(3))
+    held = all_rows(store)
+    with store.from_redis():
+        tier = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(held[t.name], before[t.name])
+        np.testing.assert_array_equal(tier[t.name], before[t.name])
+    # the held rows go on serving updates: the next steps' rows match the tier's
+    train_steps(mgr, store, 8, 9, rng)
+    held = all_rows(store)
+    with store.from_redis():
+        tier = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(held[t.name], tier[t.name])
+
+
 def test_a_write_behind_that_failed_but_reached_the_log_is_not_redone(rig, namespace):
     """One trainer writing behind: a step's records go to the logs when its write is handed over. A
     shard that dies under that write and is seen by the next step's read is replayed from its log
@@ -301,6 +333,10 @@ def test_a_write_behind_that_failed_but_reached_the_log_is_not_redone(rig, names
     for t in TABLES:
         np.testing.assert_array_equal(after[t.name], expected[t.name])
     assert store.applied_steps()[2] == 8
+    assert store.reload_s == 0  # replayed to the writer's last step: its held rows stay, no read back
+    held = all_rows(store)
+    for t in TABLES:
+        np.testing.assert_array_equal(held[t.name], expected[t.name])
 
 
 def test_corrupt_checkpoint_is_detected_never_loaded_and_restore_falls_back(rig, namespace):
