@@ -53,6 +53,7 @@ from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
 
 EVAL_BATCH = 4096
+WARMUP_STEPS = 10  # steps before throughput_after_warmup_samples_per_s starts counting
 # torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
 # warning on every process. It says nothing about this run.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -307,6 +308,7 @@ class Trainer:
         self.priority_pauses: list[float] = []
         self.flush_pauses: list[float] = []
         self._first_step = 1
+        self._warm: tuple[int, float] | None = None  # (step, time) at the end of the warm-up steps
         self.last_eval: dict = {}
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
@@ -380,6 +382,8 @@ class Trainer:
                     self.clock.lap("after")  # saves, logging, evaluation
                     if not out.rolled_back:
                         self.show_progress(bar)
+                        if self.step - self._first_step + 1 == WARMUP_STEPS:
+                            self._warm = (self.step, time.perf_counter())
                         self.step += 1
                         batch = nxt
                         continue
@@ -651,6 +655,15 @@ class Trainer:
         self.out.finish(summary)
         return out, summary
 
+    def _after_warmup(self, wall: float) -> float | None:
+        """Samples/s of the steps after the first ``WARMUP_STEPS`` of this process (first-step
+        allocations, thread starts, the first reads of each row): how a reference engine timed after
+        the same warm-up compares. None when the run had no steps after them."""
+        if self._warm is None or self.steps <= self._warm[0]:
+            return None
+        seconds = self.t0 + wall - self._warm[1]
+        return round((self.steps - self._warm[0]) * self.batch_size / seconds, 1) if seconds > 0 else None
+
     def summary(self, wall: float, final: dict, digest: str, totals: np.ndarray) -> dict:
         cfg, steps, G = self.cfg, self.steps, self.batch_size
         ckpt, rec = self.checkpointer, self.recovery
@@ -661,6 +674,7 @@ class Trainer:
             "wall_seconds": round(wall, 3),
             "setup_seconds": round(self.t0 - self.t_setup, 3),
             "throughput_samples_per_s": round(steps * G / wall, 1),
+            "throughput_after_warmup_samples_per_s": self._after_warmup(wall),
             "final_auc": final["auc"],
             "final_logloss": final["logloss"],
             "final_ne": final["ne"],

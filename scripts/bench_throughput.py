@@ -6,8 +6,11 @@ Same model, data and steps for every row. The reference of the ratios is torchre
 plain loop over pre-built batches: the strongest peer. Then ``--embeddings local`` (the same fused
 engine inside the project's training loop, data read each step), and the Redis tier with each shard
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
-trainer restarts on). samples/s counts training steps only (no setup, no evaluation); the step-time
-columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows out, waiting, after).
+trainer restarts on). samples/s counts training steps only (no setup, no evaluation), after 10
+warm-up steps for every engine: the project's runs train ``--steps`` + 10 steps and report
+``summary.json``'s ``throughput_after_warmup_samples_per_s``; the whole run's figure is printed
+beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
+out, waiting, after), over every step.
 The reference is measured first and again last; the ratios are to the faster of the two.
 
 ``--data preprocessed`` (default): the synthetic stream is written once to preprocessed Criteo
@@ -41,6 +44,12 @@ import numpy as np  # noqa: E402
 
 from recsys.config import DataConfig, EmbeddingConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from recsys.launch import run  # noqa: E402
+from recsys.trainer import WARMUP_STEPS  # noqa: E402
+
+
+def tput(summary: dict) -> float:
+    """A run's samples/s after its warm-up steps, as the reference is timed."""
+    return summary["throughput_after_warmup_samples_per_s"] or summary["throughput_samples_per_s"]
 
 
 def config(
@@ -53,7 +62,7 @@ def config(
         embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch),
         optim=OptimConfig(optimizer=args.optimizer),
         train=TrainConfig(
-            steps=args.steps,
+            steps=args.steps + WARMUP_STEPS,  # timed: the steps after the warm-up, as the reference
             batch_size=args.batch_size,
             trainers=trainers,
             eval_every=0,
@@ -114,7 +123,7 @@ def data_spec(args, rows: int) -> str:
         from recsys.datasets import synthetic_config
 
         base = RunConfig(data=DataConfig(rows_per_table=rows))
-        train_rows = (args.steps + 12) * args.batch_size  # the timed steps, the warm-up, one read ahead
+        train_rows = (args.steps + WARMUP_STEPS + 2) * args.batch_size  # the timed steps, the warm-up, one read ahead
         total = -(-train_rows * 7 // 6) + 4096 * 3  # days 0-5 train; day 6's first half holds the eval samples
         samples = SyntheticSource(synthetic_config(base), "train").read(0, total)
         folder.mkdir(parents=True)
@@ -146,7 +155,7 @@ def sweep(args, tmp: Path) -> list[tuple]:
                     fused = f"{fused_samples_per_s(args, rows, dim):,.0f}"
                 except (RuntimeError, MemoryError) as e:
                     fused = f"cannot allocate: {str(e).splitlines()[0][:60]}"
-            out.append((rows, dim, tier["throughput_samples_per_s"], fused, tier["step_ms"]))
+            out.append((rows, dim, tput(tier), fused, tier["step_ms"]))
     return out
 
 
@@ -181,20 +190,27 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         args.tmp = tmp
-        rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}))
+        rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}, None))
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
-        rows.append(("--embeddings local (fused)", 1, 1, "-", base["throughput_samples_per_s"], base["step_ms"]))
+        rows.append(
+            ("--embeddings local (fused)", 1, 1, "-", tput(base), base["step_ms"], base["throughput_samples_per_s"])
+        )
         for w in trainer_counts:
             for s in shard_counts:
                 for prefetch in (False, True) if (s, w) == (2, 1) else (False,):
                     out = Path(tmp) / f"redis-{s}-{w}-{prefetch}"
                     summary = run(config(args, out, "redis", s, prefetch, w))
                     label = "on" if prefetch else "off"
-                    rows.append(("redis tier", s, w, label, summary["throughput_samples_per_s"], summary["step_ms"]))
+                    rows.append(
+                        (
+                            "redis tier",
+                            *(s, w, label, tput(summary), summary["step_ms"], summary["throughput_samples_per_s"]),
+                        )
+                    )
         # the reference again after the others: the machine is shared, and its figure moves most; the
         # ratios use the faster of the two (the stronger peer)
         rows.insert(
-            1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {})
+            1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {}, None)
         )
         swept = sweep(args, Path(tmp)) if args.sweep else []
         pairs = []
@@ -205,18 +221,23 @@ def main() -> None:
             else:
                 summary = tier()
                 fused = fused_samples_per_s(args)
-            pairs.append((fused, summary["throughput_samples_per_s"]))
+            pairs.append((fused, tput(summary)))
     ref = max(rows[0][4], rows[1][4])
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
         f"optimizer={args.optimizer} data={args.data}\n"
     )
     parts = ["rows_in", "data", "compute", "rows_out", "waiting", "after"]
-    print("| engine | shards | trainers | prefetch | samples/s | x fused | " + " | ".join(parts) + " (ms/step) |")
-    print("|---" * (6 + len(parts)) + "|")
-    for name, s, w, p, tput, ms in rows:
+    print(
+        "| engine | shards | trainers | prefetch | samples/s | x fused | whole run samples/s | "
+        + " | ".join(parts)
+        + " (ms/step) |"
+    )
+    print("|---" * (7 + len(parts)) + "|")
+    for name, s, w, p, rate, ms, whole in rows:
         cells = " | ".join(str(ms.get(k, "")) for k in parts)
-        print(f"| {name} | {s} | {w} | {p} | {tput:,.0f} | {tput / ref:.2f}x | {cells} |")
+        whole = f"{whole:,.0f}" if whole is not None else ""
+        print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
     if pairs:
         print("\n| pair | order | fused samples/s | tier samples/s (1 trainer, 2 shards) | x fused |")
         print("|---|---|---|---|---|")
