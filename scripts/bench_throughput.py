@@ -11,7 +11,8 @@ warm-up steps for every engine: the project's runs train ``--steps`` + 10 steps 
 ``summary.json``'s ``throughput_after_warmup_samples_per_s``; the whole run's figure is printed
 beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
 out, waiting, after), over every step.
-The reference is measured first and again last; the ratios are to the faster of the two.
+The reference is measured first and again last; the ratios are to the fastest fused figure (the
+two plain-loop ones and ``--embeddings local``'s), the strongest peer.
 
 ``--data preprocessed`` (default): the synthetic stream is written once to preprocessed Criteo
 files (``kaggle_*.npy``, memory-mapped) and every engine, the reference included, trains from
@@ -19,9 +20,10 @@ them, as a production job trains from preprocessed data. ``--data synthetic``: t
 engines generate each batch (teacher labels and all) inside their step, as ``recsys train`` does
 by default, while the reference still trains from pre-built batches.
 
-``--pairs N``: then N pairs, each the reference and the tier's goal configuration (1 trainer, 2
-shards) measured back to back, in alternating order; the ratio of each pair and their median. On a
-shared machine whose speed moves over minutes, a pair's two figures see the same machine.
+``--pairs N``: then N rounds, each the fused engine (in the plain loop and inside the project's
+loop) and the tier's goal configuration (1 trainer, 2 shards) measured back to back, in alternating
+order; the ratio of each round (to the faster fused figure) and their median. On a shared machine
+whose speed moves over minutes, a round's figures see the same machine.
 
 ``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
 shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
@@ -174,7 +176,8 @@ def main() -> None:
         "--pairs",
         type=int,
         default=0,
-        help="then N back-to-back pairs (reference, tier 1 trainer 2 shards): ratio of each, median",
+        help="then N back-to-back rounds (fused engine, plain loop and in the project's loop; tier, 1 trainer "
+        "2 shards): ratio of each to the faster fused figure, median",
     )
     ap.add_argument(
         "--data",
@@ -208,21 +211,22 @@ def main() -> None:
                         )
                     )
         # the reference again after the others: the machine is shared, and its figure moves most; the
-        # ratios use the faster of the two (the stronger peer)
+        # ratios use the fastest fused figure (the strongest peer)
         rows.insert(
             1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {}, None)
         )
         swept = sweep(args, Path(tmp)) if args.sweep else []
         pairs = []
         for i in range(args.pairs):
-            tier = lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1))  # noqa: E731
-            if i % 2 == 0:
-                fused, summary = fused_samples_per_s(args), tier()
-            else:
-                summary = tier()
-                fused = fused_samples_per_s(args)
-            pairs.append((fused, tput(summary)))
-    ref = max(rows[0][4], rows[1][4])
+            measures = [
+                lambda: fused_samples_per_s(args),
+                lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
+                lambda i=i: tput(run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1))),
+            ]
+            order = range(3) if i % 2 == 0 else range(2, -1, -1)
+            got = {k: measures[k]() for k in order}
+            pairs.append((got[0], got[1], got[2]))
+    ref = max(rows[0][4], rows[1][4], rows[2][4])  # the plain loop twice, and --embeddings local
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
         f"optimizer={args.optimizer} data={args.data}\n"
@@ -239,14 +243,18 @@ def main() -> None:
         whole = f"{whole:,.0f}" if whole is not None else ""
         print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
     if pairs:
-        print("\n| pair | order | fused samples/s | tier samples/s (1 trainer, 2 shards) | x fused |")
-        print("|---|---|---|---|---|")
-        for i, (fused, tier) in enumerate(pairs):
-            order = "fused, tier" if i % 2 == 0 else "tier, fused"
-            print(f"| {i + 1} | {order} | {fused:,.0f} | {tier:,.0f} | {tier / fused:.2f}x |")
-        ratios = sorted(t / f for f, t in pairs)
         print(
-            f"\nmedian of {len(pairs)} pairs: {float(np.median(ratios)):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) |"
+        )
+        print("|---|---|---|---|---|---|")
+        for i, (plain, local, tier) in enumerate(pairs):
+            order = "plain, loop, tier" if i % 2 == 0 else "tier, loop, plain"
+            print(
+                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / max(plain, local):.2f}x |"
+            )
+        ratios = sorted(t / max(p, q) for p, q, t in pairs)
+        print(
+            f"\nmedian of {len(pairs)} rounds: {float(np.median(ratios)):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
         )
     if swept:
         print(
