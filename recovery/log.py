@@ -30,6 +30,7 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from embeddings import rowkeys
 from embeddings.redis_store import BEHIND
 from recovery.errors import RecoveryError
 from recovery.files import fsync_dir, write_atomic
@@ -166,6 +167,31 @@ class ShardLog:
         self.bytes_written += nbytes
         self.seconds += time.perf_counter() - t0
         return nbytes
+
+    def append_keys(
+        self, step: int, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, wait: bool = False
+    ) -> None:
+        """``append_step`` of one step's sorted packed keys and new rows of every shard (``shards``:
+        the shard of each): picking this log's shard's rows and grouping them per table run on the
+        log's thread, so the training path only hands the arrays over (they must not change after)."""
+        if not self._opened:
+            raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
+        t0 = time.perf_counter()
+        if wait:
+            self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
+        self._pending = self._pool.submit(self._write_keys, self._pending, step, keys, rows, shards)
+        self.seconds += time.perf_counter() - t0
+
+    def _write_keys(self, before: Future | None, step: int, keys, rows, shards) -> None:
+        t0 = time.perf_counter()
+        at = np.flatnonzero(shards == self.shard)
+        keys, rows = keys[at], rows[at]
+        groups = [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()]
+        self.bytes_written += sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * r.size for _, ids, r in groups)
+        self.background_seconds += time.perf_counter() - t0
+        self._write(before, step, groups)
 
     def _write(self, before: Future | None, step: int, groups) -> None:
         if before is not None:

@@ -402,9 +402,12 @@ class RecoveryManager:
             # the step's records go to the logs now, beside its write (see ``_settle_behind``); the
             # write-behind thread waits for the last step's before this step's rows move
             before = [(log, log.pending()) for log in self.logs.values()]
-            for s in np.unique(shards).tolist() if self.logs else []:
-                at = np.flatnonzero(shards == s)
-                self.log_step(step, s, keys[at], new[at], wait=False)
+            if self.logs:
+                for s in np.flatnonzero(np.bincount(shards, minlength=self.store.num_shards)).tolist():
+                    log = self.logs.get(s)
+                    if log is not None:  # its rows picked and grouped on the log's thread
+                        self._last_logged[s] = max(step, self._last_logged.get(s, step))
+                        log.append_keys(step, keys, new, shards)
             self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before))
             self._behind = (owned, step, keys, new, shards)
             return
