@@ -72,6 +72,11 @@ def encode_record(step: int, table: int, ids: np.ndarray, rows: np.ndarray) -> b
     return _HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)) + payload
 
 
+def _size(groups) -> int:
+    """Bytes of the records of (table, ids, rows) groups."""
+    return sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
+
+
 def scan(path: Path) -> tuple[list[LogRecord], int]:
     """Every whole, verified record of a segment and the byte offset where they end."""
     data = memoryview(path.read_bytes())  # records are views of one read, not copies
@@ -155,17 +160,9 @@ class ShardLog:
         before anything depends on it (``fsync`` policy: as for a synchronous write). ``wait=False``:
         the records before are not waited for here (they are written first all the same; the caller
         waits for them with ``wait_for(pending())`` taken before this call)."""
-        if not self._opened:
-            raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
-        t0 = time.perf_counter()
-        if wait:
-            self.wait()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
-        nbytes = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
-        self._pending = self._pool.submit(self._write, self._pending, step, groups)
+        nbytes = _size(groups)
+        self._hand_over(wait, self._write, step, groups)
         self.bytes_written += nbytes
-        self.seconds += time.perf_counter() - t0
         return nbytes
 
     def append_keys(
@@ -174,6 +171,10 @@ class ShardLog:
         """``append_step`` of one step's sorted packed keys and new rows of every shard (``shards``:
         the shard of each): picking this log's shard's rows and grouping them per table run on the
         log's thread, so the training path only hands the arrays over (they must not change after)."""
+        self._hand_over(wait, self._write_keys, step, keys, rows, shards)
+
+    def _hand_over(self, wait: bool, write, *args) -> None:
+        """Queue ``write(records before, *args)`` on the log's thread (the training path's part)."""
         if not self._opened:
             raise RecoveryError(f"log of shard {self.shard}: append before open_segment")
         t0 = time.perf_counter()
@@ -181,7 +182,7 @@ class ShardLog:
             self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"log{self.shard}")
-        self._pending = self._pool.submit(self._write_keys, self._pending, step, keys, rows, shards)
+        self._pending = self._pool.submit(write, self._pending, *args)
         self.seconds += time.perf_counter() - t0
 
     def _write_keys(self, before: Future | None, step: int, keys, rows, shards) -> None:
@@ -189,7 +190,7 @@ class ShardLog:
         at = np.flatnonzero(shards == self.shard)
         keys, rows = keys[at], rows[at]
         groups = [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()]
-        self.bytes_written += sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * r.size for _, ids, r in groups)
+        self.bytes_written += _size(groups)
         self.background_seconds += time.perf_counter() - t0
         self._write(before, step, groups)
 
