@@ -478,16 +478,12 @@ class RedisStore(StoreBase):
         self.reload_s += time.perf_counter() - t0
         return sum(len(ids) for ids in requests.values())
 
-    def reinstate_held(self, shard: int, keys: np.ndarray | None = None, rows: np.ndarray | None = None) -> int:
+    def reinstate_held(self, shard: int) -> int:
         """After a shard was restored to exactly what this writer wrote to it (its log replayed up to
-        the writer's last step): the rows it held there are held again, no read. ``keys``/``rows``: a
-        write that failed on the shard but that the replay applied. -> rows held again."""
+        the writer's last step): the rows it held there are held again, no read. -> rows held again."""
         if self.held is None or shard not in self.held.shards:
             return 0
-        n = self.held.reinstate(shard)
-        if keys is not None and len(keys):
-            self.held.put_keys(keys, rows)
-        return n
+        return self.held.reinstate(shard)
 
     @contextlib.contextmanager
     def from_redis(self):

@@ -169,10 +169,10 @@ class RecoveryManager:
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
-        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step,
-        # its keys and rows there) of a write-behind that failed there, redone once the shard is recovered
+        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step)
+        # of a write-behind that failed there, redone once the shard is recovered
         self._behind: tuple | None = None
-        self._redo: dict[int, tuple[object, int, np.ndarray, np.ndarray]] = {}
+        self._redo: dict[int, tuple[object, int]] = {}
         self._last_logged: dict[int, int] = {}  # shard -> the last step this writer handed to its log
         self._redone: set[int] = set()
         self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
@@ -298,8 +298,7 @@ class RecoveryManager:
         failed = self.store.join_behind()
         for s in failed:
             self._fail(s)
-            at = np.flatnonzero(shards == s)
-            self._redo[s] = (update, step, keys[at], rows[at])
+            self._redo[s] = (update, step)
         if self.replica_wait:
             for s in np.unique(shards).tolist():
                 if s not in failed and self.store.has_replica(s):
@@ -308,7 +307,7 @@ class RecoveryManager:
     def _redo_behind(self, only: tuple[int, ...]) -> None:
         """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
         for s in sorted(set(only) & set(self._redo)):
-            update, step, _, _ = self._redo[s]
+            update, step = self._redo[s]
             if self._as_of.get(s, -1) >= step:  # its log (or its replica) brought it to that step
                 del self._redo[s]
                 continue
@@ -367,8 +366,11 @@ class RecoveryManager:
         if log is None:
             return 0
         groups = [(t, ids, rows[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()]
-        self._last_logged[shard] = max(step, self._last_logged.get(shard, step))
+        self._logged(shard, step)
         return log.append_step(step, groups, wait)
+
+    def _logged(self, shard: int, step: int) -> None:
+        self._last_logged[shard] = max(step, self._last_logged.get(shard, step))
 
     def apply(self, owned, step: int, only=None, behind: bool = False) -> None:
         """Write this step's rows of the shards this trainer owns, then group-commit them to the
@@ -406,7 +408,7 @@ class RecoveryManager:
                 for s in np.flatnonzero(np.bincount(shards, minlength=self.store.num_shards)).tolist():
                     log = self.logs.get(s)
                     if log is not None:  # its rows picked and grouped on the log's thread
-                        self._last_logged[s] = max(step, self._last_logged.get(s, step))
+                        self._logged(s, step)
                         log.append_keys(step, keys, new, shards)
             self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before))
             self._behind = (owned, step, keys, new, shards)
@@ -498,13 +500,12 @@ class RecoveryManager:
 
     def _rehold(self, s: int) -> None:
         """After shard ``s`` was recovered: a log replay up to the last step this writer logged for
-        it left exactly the rows it wrote (and a failed write-behind's, which the log held): they are
-        held again without a read. Any other restore took the shard back: its rows are read back."""
+        it left exactly the rows it holds (a failed write-behind's too: they were held when handed
+        over, and logged): they are held again without a read. Any other restore took the shard
+        back: its rows are read back."""
         last = self._last_logged.get(s)
         if self.strategy.replays_log and last is not None and self._as_of.get(s, -1) >= last:
-            redo = self._redo.get(s)
-            keys, rows = (redo[2], redo[3]) if redo is not None and redo[1] <= self._as_of[s] else (None, None)
-            self.store.reinstate_held(s, keys, rows)
+            self.store.reinstate_held(s)
             return
         self.guard(lambda: self.store.reload_held(s))
 

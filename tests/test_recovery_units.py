@@ -238,27 +238,40 @@ def test_log_recovery_replays_to_the_exact_rows(rig, namespace):
     assert mgr.failures[0]["lost_updates"] == 0 and store.applied_steps()[2] == 8
 
 
-def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, namespace):
-    """After a partial restore of one shard, the writer holds every row again, as the shards hold it:
-    the other shards' rows were kept, the restored shard's read back in one bulk read."""
+def held_shard_restored(rig, namespace, strategy: str, seed: int):
+    """A writer holding every shard's rows trains 7 steps (a checkpoint at 4), then shard 1 is killed
+    and restored under ``strategy``. -> (manager, store, every row before the kill, held generation
+    before the kill)."""
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)
     store.assume_fresh()
-    mgr = make_manager("partial", store, sh, ckpt, logs)
-    rng = np.random.default_rng(4)
+    mgr = make_manager(strategy, store, sh, ckpt, logs)
+    rng = np.random.default_rng(seed)
     train_steps(mgr, store, 1, 4, rng)
     checkpoint(mgr, ckpt, 4, namespace)
     train_steps(mgr, store, 5, 7, rng)
-    kept = store.held.generation
+    before, generation = all_rows(store), store.held.generation
     sh.kill(1)
     with store.from_redis():
         ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
     assert not ok and mgr.recover(mgr.sync(), 8, "pull") is None
-    assert store.held.generation > kept and store.reload_s > 0
-    assert all(store.held.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
+    return mgr, store, before, generation
+
+
+def held_and_tier(store):
+    """Every row as the writer holds it, and as the shards hold it."""
     held = all_rows(store)
     with store.from_redis():
-        tier = all_rows(store)
+        return held, all_rows(store)
+
+
+def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, namespace):
+    """After a partial restore of one shard, the writer holds every row again, as the shards hold it:
+    the other shards' rows were kept, the restored shard's read back in one bulk read."""
+    _, store, _, kept = held_shard_restored(rig, namespace, "partial", 4)
+    assert store.held.generation > kept and store.reload_s > 0
+    assert all(store.held.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
+    held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], tier[t.name])
 
@@ -266,31 +279,15 @@ def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, na
 def test_a_log_replay_to_the_writers_last_step_keeps_its_held_rows_without_a_read(rig, namespace):
     """A log replay brings the shard back to exactly what its writer wrote: the rows it held there
     are held again with no read from Redis, and equal what the shard now holds."""
-    sh, store, ckpt, logs = rig
-    store.hold_rows({0, 1, 2}, 1 << 30)
-    store.assume_fresh()
-    mgr = make_manager("log", store, sh, ckpt, logs)
-    rng = np.random.default_rng(5)
-    train_steps(mgr, store, 1, 4, rng)
-    checkpoint(mgr, ckpt, 4, namespace)
-    train_steps(mgr, store, 5, 7, rng)
-    before = all_rows(store)
-    sh.kill(1)
-    with store.from_redis():
-        ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
-    assert not ok and mgr.recover(mgr.sync(), 8, "pull") is None
+    mgr, store, before, _ = held_shard_restored(rig, namespace, "log", 5)
     assert store.reload_s == 0 and all(store.held.unknown(s) == {} for s in range(3))
-    held = all_rows(store)
-    with store.from_redis():
-        tier = all_rows(store)
+    held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], before[t.name])
         np.testing.assert_array_equal(tier[t.name], before[t.name])
     # the held rows go on serving updates: the next steps' rows match the tier's
-    train_steps(mgr, store, 8, 9, rng)
-    held = all_rows(store)
-    with store.from_redis():
-        tier = all_rows(store)
+    train_steps(mgr, store, 8, 9, np.random.default_rng(6))
+    held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], tier[t.name])
 
