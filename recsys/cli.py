@@ -234,8 +234,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from recsys import api
-    from recsys.launch import TrainerFailed
+    from recsys.launch import TrainerFailed, allow_fork
 
+    allow_fork()
     out = None
     try:
         if args.command == "bench-recovery":

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +46,36 @@ RUN_FILE = "run.json"  # the run's namespace: what --resume needs besides config
 
 class TrainerFailed(RuntimeError):
     pass
+
+
+# Trainers are forked from the launcher when that is safe: each then starts without importing torch
+# and torchrec again (about 5 s of CPU a trainer, at every start and restart). A process whose
+# OpenMP pool exists (any torch op run in parallel) cannot be forked: the child's first parallel op
+# hangs. The pool's threads are native threads that Python did not start, so fork is chosen only
+# while there are no more of those than when ``allow_fork`` was called (the CLI calls it first).
+_FORK_BASELINE: int | None = None
+
+
+def _native_threads() -> int | None:
+    try:
+        tids = {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # no /proc: nothing to count with
+        return None
+    return len(tids - {t.native_id for t in threading.enumerate()})
+
+
+def allow_fork() -> None:
+    """This process may fork its trainers while it has started no threads of its own since now
+    (the command line's process, which runs no tensor op before it launches trainers)."""
+    global _FORK_BASELINE
+    _FORK_BASELINE = _native_threads()
+
+
+def start_method() -> str:
+    now = _native_threads()
+    if _FORK_BASELINE is None or now is None or now > _FORK_BASELINE:
+        return "spawn"
+    return "fork"
 
 
 @contextlib.contextmanager
@@ -99,7 +130,7 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             max_restarts=0,
             monitor_interval=0.1,
-            start_method="spawn",
+            start_method=start_method(),
         )
         try:
             results = elastic_launch(lc, worker_main)(
