@@ -146,8 +146,15 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
         if fatal and not killed and not deaths:
             first = sorted(fatal, key=lambda x: x["who"])[0]
             raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {out / 'errors'})")
-        rank = min(killed) if killed else min(failures)
-        why = _signal_name(killed[rank]) if killed else f"exit status {failures[rank].exitcode}"
+        # the agent reports the first dead trainer it finds; a trainer that ended because its peer
+        # was killed may be the one, so a death the injector recorded names the rank
+        if killed:
+            rank, why = min(killed), _signal_name(killed[min(killed)])
+        elif deaths:
+            rank, why = deaths[0]["rank"], "SIGKILL"  # an injected trainer or node failure kills itself
+        else:
+            rank = min(failures)
+            why = f"exit status {failures[rank].exitcode}"
         if restarts >= cfg.recovery.max_restarts:
             hint = "; --max-restarts N lets the group resume" if cfg.recovery.max_restarts == 0 else " (all used)"
             raise TrainerFailed(

@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -721,12 +723,24 @@ class Trainer:
         }
 
 
+def _default_signals() -> None:
+    """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
+    SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
+    process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None) -> dict | None:
     """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
 
     An error ends this process with exit status 3 after writing its traceback to
     ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
     prints that line); no traceback reaches the terminal."""
+    _default_signals()
     cfg = RunConfig.from_dict(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
