@@ -1,21 +1,39 @@
 """The embedding tier: tables sharded over Redis, a reference store, a torchrec-compatible module."""
 
-from embeddings.errors import (
-    DimMismatchError,
-    EmbeddingStoreError,
-    RowRangeError,
-    ShardDataError,
-    ShardTimeoutError,
-    ShardUnavailableError,
-    StoreAuthError,
-    UnknownTableError,
-)
-from embeddings.launcher import LocalShards
-from embeddings.optim import SGD, RowOptimizer, RowWiseAdagrad, make_optimizer
-from embeddings.redis_store import RedisStore
-from embeddings.shard_map import ShardMap
-from embeddings.store import EmbeddingStore, InProcessStore
-from embeddings.tables import TableSet, TableSpec
+import importlib
+
+# name -> the module that defines it; loaded on first use, so that importing one light module of
+# the package (``embeddings.errors``, ``embeddings.launcher``) does not import torch
+_WHERE = {
+    "DimMismatchError": "errors",
+    "EmbeddingStoreError": "errors",
+    "RowRangeError": "errors",
+    "ShardDataError": "errors",
+    "ShardTimeoutError": "errors",
+    "ShardUnavailableError": "errors",
+    "StoreAuthError": "errors",
+    "UnknownTableError": "errors",
+    "LocalShards": "launcher",
+    "SGD": "optim",
+    "RowOptimizer": "optim",
+    "RowWiseAdagrad": "optim",
+    "make_optimizer": "optim",
+    "RedisStore": "redis_store",
+    "ShardMap": "shard_map",
+    "EmbeddingStore": "store",
+    "InProcessStore": "store",
+    "TableSet": "tables",
+    "TableSpec": "tables",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"embeddings.{_WHERE[name]}"), name)
+    if name in ("rowkeys",):
+        return importlib.import_module(f"embeddings.{name}")
+    raise AttributeError(f"module 'embeddings' has no attribute {name!r}")
+
 
 __all__ = [
     "DimMismatchError",

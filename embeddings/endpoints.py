@@ -13,9 +13,25 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from embeddings.errors import EndpointError
-from embeddings.redis_store import one_try, redact
+
+
+def one_try() -> Retry:
+    """A redis-py client's retry policy for calls that must not be redone behind the caller's back:
+    redis-py's default retries a failed call with backoff, seconds in all, and the caller (the
+    recovery layer, a readiness poll, an endpoint check, an injected SHUTDOWN) decides what follows."""
+    return Retry(NoBackoff(), 0)
+
+
+def redact(url: str) -> str:
+    """``scheme://[user@]host:port/db`` with any password removed, for messages and logs."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username and parts.username != "default" else ""
+    path = parts.path if parts.path not in ("", "/") else ""
+    return f"{parts.scheme}://{user}{parts.hostname}:{parts.port or 6379}{path}"
 
 
 def _cause(e: BaseException) -> BaseException:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import redis
 
-from embeddings.redis_store import one_try
+from embeddings.endpoints import one_try
 
 _PR_SET_PDEATHSIG = 1
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()

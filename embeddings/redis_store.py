@@ -24,12 +24,11 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.retry import Retry
 
 from embeddings import rowkeys
 from embeddings.cluster import is_cluster_url, node_url, owner_of, owners, seed_urls, shard_tags
+from embeddings.endpoints import one_try, redact
 from embeddings.errors import (
     ShardDataError,
     ShardTimeoutError,
@@ -46,21 +45,6 @@ from embeddings.wire import RowConnection, WireError
 
 T = TypeVar("T")
 BEHIND = "write-behind"  # the write-behind thread's name
-
-
-def one_try() -> Retry:
-    """A redis-py client's retry policy for calls that must not be redone behind the caller's back:
-    redis-py's default retries a failed call with backoff, seconds in all, and the caller (the
-    recovery layer, a readiness poll, an endpoint check, an injected SHUTDOWN) decides what follows."""
-    return Retry(NoBackoff(), 0)
-
-
-def redact(url: str) -> str:
-    """``scheme://[user@]host:port/db`` with any password removed, for messages and logs."""
-    parts = urlsplit(url)
-    user = f"{parts.username}@" if parts.username and parts.username != "default" else ""
-    path = parts.path if parts.path not in ("", "/") else ""
-    return f"{parts.scheme}://{user}{parts.hostname}:{parts.port or 6379}{path}"
 
 
 class RedisStore(StoreBase):

@@ -300,7 +300,7 @@ class Injector:
     def _command(self, shard: int, *args: str) -> None:
         import redis
 
-        from embeddings.redis_store import one_try
+        from embeddings.endpoints import one_try
 
         # one try: SHUTDOWN drops the connection, and a retry would only wait to fail
         client = redis.Redis.from_url(self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0, retry=one_try())

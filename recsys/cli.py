@@ -18,7 +18,7 @@ from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
 from recovery.errors import RecoveryError
 from recsys.config import ConfigError, RunConfig
-from recsys.errors import one_line, report_error
+from recsys.errors import TrainerFailed, one_line, report_error
 
 KNOWN_ERRORS = (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError)
 
@@ -231,16 +231,22 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return replace(cfg)
 
 
+def _allow_fork() -> None:
+    """This process has run no tensor op: its trainers may be forked (``recsys.launch``)."""
+    from recsys.launch import allow_fork
+
+    allow_fork()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from recsys import api
-    from recsys.launch import TrainerFailed, allow_fork
 
-    allow_fork()
     out = None
     try:
         if args.command == "bench-recovery":
             out = args.out
+            _allow_fork()
             api.bench_recovery(**vars(args))
             return 0
         if args.command == "compare":
@@ -250,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = resolve(args)
         out = cfg.train.out
+        _allow_fork()
         run = api.train(cfg, resume=bool(args.resume))
         summary = run.summary.raw if run.summary is not None else None
     except KNOWN_ERRORS as e:

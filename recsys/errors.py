@@ -17,6 +17,11 @@ from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
 from recovery.errors import RecoveryError
 
+
+class TrainerFailed(RuntimeError):
+    """A trainer process died or reported an error (the launcher's one line)."""
+
+
 COMPONENTS: list[tuple[type, str]] = [
     (EmbeddingStoreError, "embedding tier"),
     (LauncherError, "shard launcher"),

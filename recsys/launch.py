@@ -13,6 +13,10 @@ at once with that error's one line: restarting would only repeat it.
 
 from __future__ import annotations
 
+import sys
+
+_TORCH_FRESH = "torch" not in sys.modules  # torch is first imported below: nothing ran on it before
+
 import contextlib
 import dataclasses
 import json
@@ -20,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -33,7 +36,7 @@ from embeddings.launcher import free_port
 from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
-from recsys.errors import read_errors
+from recsys.errors import TrainerFailed, read_errors
 from recsys.trainer import Trainer, worker_main
 
 # errors a trainer sees when a peer died under it: not a reason to stop the run
@@ -44,15 +47,12 @@ _PEER_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken 
 RUN_FILE = "run.json"  # the run's namespace: what --resume needs besides config.toml
 
 
-class TrainerFailed(RuntimeError):
-    pass
-
-
 # Trainers are forked from the launcher when that is safe: each then starts without importing torch
 # and torchrec again (about 5 s of CPU a trainer, at every start and restart). A process whose
 # OpenMP pool exists (any torch op run in parallel) cannot be forked: the child's first parallel op
 # hangs. The pool's threads are native threads that Python did not start, so fork is chosen only
-# while there are no more of those than when ``allow_fork`` was called (the CLI calls it first).
+# while there are no more of those than when torch was first imported here (nothing can have run
+# on it yet), or than when ``allow_fork`` was called (the CLI calls it first).
 _FORK_BASELINE: int | None = None
 
 
@@ -62,6 +62,10 @@ def _native_threads() -> int | None:
     except OSError:  # no /proc: nothing to count with
         return None
     return len(tids - {t.native_id for t in threading.enumerate()})
+
+
+if _TORCH_FRESH:
+    _FORK_BASELINE = _native_threads()
 
 
 def allow_fork() -> None:

@@ -70,3 +70,28 @@ def test_missing_binary_is_a_clear_error():
         LocalShards(1, redis_server="/nonexistent/redis-server")
     with pytest.raises(ValueError, match="num_shards=0"):
         LocalShards(0)
+
+
+def test_trainers_are_forked_only_while_no_tensor_op_has_run_in_parallel():
+    """A process with an OpenMP pool cannot fork a trainer (its first parallel op would hang): the
+    launcher forks from a process that first imported torch through it and ran nothing since, and
+    spawns otherwise."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fresh = textwrap.dedent(
+        """
+        import recsys.launch as launch
+        import torch
+        before = launch.start_method()
+        torch.set_num_threads(2)
+        x = torch.randn(512, 512)
+        (x @ x).sum()
+        torch.randn(1 << 20).exp_().sum()
+        print(before, launch.start_method())
+        """
+    )
+    loaded = "import torch\nimport recsys.launch as launch\nprint(launch.start_method())"
+    outs = [
+        subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+        for code in (fresh, loaded)
+    ]
+    assert [o.stdout.split() for o in outs] == [["fork", "spawn"], ["spawn"]], [o.stderr[-2000:] for o in outs]
