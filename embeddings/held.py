@@ -9,7 +9,9 @@ re-reading them from Redis, and a stage of the next batch reads them from here t
 after the write that put them on their shard succeeded, or from a read of their shard (``found``);
 a restore, rollback or reconnect of a shard forgets that shard's rows (``clear(shard)``), whose next
 reads go to Redis again; the other shards' rows stay. A restore that brought the shard back to
-exactly what its writer wrote (a log replay) holds them again (``reinstate``).
+exactly what its writer wrote (a log replay) holds them again (``reinstate``); a restore to an
+earlier step holds again the rows last written before that step, and knows the rows first written
+after it as never written (``restored``), so only the rest are read back.
 
 Tables that would not fit ``budget_bytes`` (with those before them), or whose row width differs
 from the first table's, are not held.
@@ -25,6 +27,7 @@ from embeddings import rowkeys
 from embeddings.tables import TableSet
 
 UNKNOWN, HELD, ABSENT = 0, 1, 2  # ABSENT: read as never written; only its writer could write it
+NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never assumed older than a restore
 
 
 class HeldRows:
@@ -48,6 +51,11 @@ class HeldRows:
         self._rows = np.empty((total, self.width), np.float32)
         self._rows.fill(0.0)
         self._state = np.zeros(total, np.int8)  # UNKNOWN, HELD or ABSENT per row
+        # per row, the step of this writer's first write since the row was known never written (-1:
+        # it may have existed before) and of its last write (NEVER: unknown): what a restore to an
+        # earlier step left of the row is known without reading it (``restored``)
+        self._first = np.full(total, -1, np.int32)
+        self._last = np.full(total, NEVER, np.int32)
         self._owner = None  # the shard of each row
         if owner_of is not None and total:
             self._owner = np.empty(total, np.int16)
@@ -91,20 +99,26 @@ class HeldRows:
             return None
         return self.lookup_keys(rowkeys.pack(table, np.asarray(ids, np.int64)))
 
-    def put_keys(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Rows just written to their shard (one of ``shards``)."""
+    def put_keys(self, keys: np.ndarray, rows: np.ndarray, step: int | None = None) -> None:
+        """Rows just written to their shard (one of ``shards``), by the training step ``step`` (None:
+        a write outside the steps, whose step no restore can be compared with)."""
         at = self.flat(keys)
         if at is None:
             return
         mine = at >= 0
+        if not mine.all():
+            at, rows = at[mine], rows[mine]
         with self._lock:
             self.version += 1
-            if mine.all():
-                self._rows[at] = rows
-                self._state[at] = HELD
+            self._rows[at] = rows
+            if step is None:
+                self._first[at], self._last[at] = -1, NEVER
             else:
-                self._rows[at[mine]] = rows[mine]
-                self._state[at[mine]] = HELD
+                state = self._state[at]
+                self._first[at[state == ABSENT]] = step  # its first write: absent at any earlier step
+                self._first[at[state == UNKNOWN]] = -1
+                self._last[at] = step
+            self._state[at] = HELD
 
     def put(self, table: int, ids: np.ndarray, rows: np.ndarray) -> None:
         if self.holds(table):
@@ -133,6 +147,7 @@ class HeldRows:
             new = self._state[at] == UNKNOWN
             if rows is not None:
                 self._rows[at[new]] = rows[new]
+                self._first[at[new]], self._last[at[new]] = -1, NEVER  # read: its writes' steps unknown
             self._state[at[new]] = ABSENT if rows is None else HELD
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
@@ -173,6 +188,24 @@ class HeldRows:
             pos = pos[self._state[pos] == UNKNOWN]
             self._state[pos] = HELD
             return len(pos)
+
+    def restored(self, shard: int, kept_upto: int, absent_after: int) -> tuple[int, int]:
+        """The shard was restored to its state as of step ``kept_upto`` (a checkpoint), plus rows of
+        later steps up to ``absent_after`` at most (a priority save, flushes, a log's records). Of the
+        rows ``clear`` forgot: one this writer last wrote at ``kept_upto`` or before has the value it
+        holds, so it is held again; one it first wrote after ``absent_after`` did not exist then, so
+        it is known never written; the rest stay unknown (read back). -> (held again, now absent)."""
+        with self._lock:
+            pos = self._forgotten.pop(shard, None)
+            if pos is None or not len(pos):
+                return 0, 0
+            self.version += 1
+            pos = pos[self._state[pos] == UNKNOWN]
+            kept = pos[self._last[pos] <= kept_upto]
+            gone = pos[self._first[pos] > absent_after]
+            self._state[kept] = HELD
+            self._state[gone] = ABSENT
+            return len(kept), len(gone)
 
     def drop_forgotten(self, shard: int) -> None:
         """The forgotten rows of ``shard`` are not to be held again (their shard went back to an

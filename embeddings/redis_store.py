@@ -123,6 +123,9 @@ class RedisStore(StoreBase):
         self._behind_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
         self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
         self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
+        self.reload_kept = self.reload_absent = self.reload_read = (
+            0  # rows of restored shards: held again, absent, read
+        )
         self._behind: Future | None = None  # write_behind in flight (its commit point: join_behind)
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
@@ -334,7 +337,7 @@ class RedisStore(StoreBase):
             raise RuntimeError("write_behind: the previous write-behind was not joined")
         if self.held is not None:
             mine = np.isin(shards, list(self.held.shards))
-            self.held.put_keys(keys[mine], rows[mine])
+            self.held.put_keys(keys[mine], rows[mine], step)
 
         def write() -> dict[int, ShardUnavailableError]:
             if before is not None:
@@ -405,7 +408,7 @@ class RedisStore(StoreBase):
                     failed[s] = self._timed(s, e)
                     continue
                 if hold and self.held is not None and s in self.held.shards:  # written: now held as written
-                    self.held.put_keys(k, r)
+                    self.held.put_keys(k, r, step)
         return failed
 
     def _timed(self, shard: int, error: ShardUnavailableError) -> ShardUnavailableError:
@@ -448,19 +451,28 @@ class RedisStore(StoreBase):
                 owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
                 self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
 
-    def reload_held(self, shard: int) -> int:
+    def reload_held(self, shard: int, kept_upto: int | None = None, absent_after: int | None = None) -> int:
         """After a shard was restored: read back the rows this writer held on it (one bulk read), so
         that the steps after the recovery read them from memory again and its write-behind keeps
-        overlapping them; rows no longer on the shard are known never written. -> rows read."""
+        overlapping them; rows no longer on the shard are known never written. With the restore's
+        steps (``HeldRows.restored``), rows unchanged by it are held again without a read and rows
+        first written after it are known never written. -> rows read."""
         if self.held is None or shard not in self.held.shards:
             return 0
         t0 = time.perf_counter()
-        self.held.drop_forgotten(shard)
+        if kept_upto is None or absent_after is None:
+            self.held.drop_forgotten(shard)
+        else:
+            kept, gone = self.held.restored(shard, kept_upto, max(kept_upto, absent_after))
+            self.reload_kept += kept
+            self.reload_absent += gone
         requests = self.held.unknown(shard)
         if requests:
             self._fetch(requests)
         self.reload_s += time.perf_counter() - t0
-        return sum(len(ids) for ids in requests.values())
+        n = sum(len(ids) for ids in requests.values())
+        self.reload_read += n
+        return n
 
     def reinstate_held(self, shard: int) -> int:
         """After a shard was restored to exactly what this writer wrote to it (its log replayed up to

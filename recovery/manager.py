@@ -174,6 +174,7 @@ class RecoveryManager:
         self._behind: tuple | None = None
         self._redo: dict[int, tuple[object, int]] = {}
         self._last_logged: dict[int, int] = {}  # shard -> the last step this writer handed to its log
+        self._restore_steps: dict[int, tuple[int, int]] = {}  # shard -> (restored from step, newest step restored)
         self._redone: set[int] = set()
         self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self._seen_at: int | None = None  # commit_behind's step: failure records name it
@@ -460,17 +461,20 @@ class RecoveryManager:
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
         n = self.store.num_shards
         self.settle()
-        # [fatal, rollback + 1, recovered as of step + 1 [n], redo[n]]: rank 0 fills it, the others
-        # learn it by a MAX
-        verdict = np.zeros(2 + 2 * n, dtype=np.int64)
+        # [fatal, rollback + 1, recovered as of step + 1 [n], redo[n], restored from step + 2 [n],
+        # newest step restored + 2 [n]]: rank 0 fills it, the others learn it by a MAX
+        verdict = np.zeros(2 + 4 * n, dtype=np.int64)
         error: Exception | None = None
         if self.rank == 0:
             try:
+                self._restore_steps = {}
                 rollback, restored_to = self._recover_on_rank0(failed, step, phase)
                 verdict[1] = rollback + 1
                 for s, at in restored_to.items():
                     verdict[2 + s] = at + 1
                     verdict[2 + n + s] = int(at < step)
+                for s, (base, newest) in self._restore_steps.items():
+                    verdict[2 + 2 * n + s], verdict[2 + 3 * n + s] = base + 2, newest + 2
             except Exception as e:  # noqa: BLE001 - every trainer must learn that recovery failed
                 verdict[0], error = 1, e
         verdict = self.collective.max_flags(verdict)
@@ -479,6 +483,11 @@ class RecoveryManager:
                 raise error
             raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
         recovered = [int(s) for s in np.flatnonzero(verdict[2 : 2 + n])]
+        self._restore_steps = {
+            s: (int(verdict[2 + 2 * n + s]) - 2, int(verdict[2 + 3 * n + s]) - 2)
+            for s in recovered
+            if verdict[2 + 2 * n + s] > 0
+        }
         for s in recovered:  # a write-behind's step the restore already covers is not redone
             self._as_of[s] = int(verdict[2 + s]) - 1
         for s in range(n) if self.strategy.rolls_back else recovered:
@@ -502,12 +511,15 @@ class RecoveryManager:
         """After shard ``s`` was recovered: a log replay up to the last step this writer logged for
         it left exactly the rows it holds (a failed write-behind's too: they were held when handed
         over, and logged): they are held again without a read. Any other restore took the shard
-        back: its rows are read back."""
+        back to the step it was restored from (plus rows of later steps up to the newest it
+        restored): the rows this writer last wrote before that step are held again, the rows it
+        first wrote after the newest are known never written, and the rest are read back."""
         last = self._last_logged.get(s)
         if self.strategy.replays_log and last is not None and self._as_of.get(s, -1) >= last:
             self.store.reinstate_held(s)
             return
-        self.guard(lambda: self.store.reload_held(s))
+        base, newest = self._restore_steps.get(s, (None, None))
+        self.guard(lambda: self.store.reload_held(s, base, newest))
 
     def _finish_record(self, rec: dict, phase: str) -> None:
         rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
@@ -676,20 +688,23 @@ class RecoveryManager:
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
         rec["restored_bytes"] = self._restore_shard(shard, ckpt, lap)
-        as_of = base_step
+        as_of = newest = base_step if ckpt is not None else -1
         if self.strategy.replays_log:
             replayed, as_of = self._replay(shard, base_step, lap)
+            newest = max(newest, as_of)
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
             saved = 0
             if self.priority is not None:  # partial-mfu / partial-ssu: overlay the newest priority save
-                nbytes, saved = priority.overlay(self.priority.dir, self.store, shard, base_step, step - 1)
+                nbytes, saved, at = priority.overlay(self.priority.dir, self.store, shard, base_step, step - 1)
+                newest = max(newest, at)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
                 lap("overlay")
             if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
                 nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step, step - 1)
+                newest = max(newest, as_of)
                 rec["restored_bytes"] += nbytes
                 rec["flushed_to_step"] = as_of
                 lap("replay")
@@ -706,6 +721,7 @@ class RecoveryManager:
             self.lost.append(rec["lost_samples"])
             self._lost_since[shard] = (completed, self.counter.total.tolist())
             rec["_since"] = [completed, self.counter.total.tolist()]
+        self._restore_steps[shard] = (base_step if ckpt is not None else -1, newest)
         return rec, as_of
 
     def _recover_by_replica(self, shard: int, step: int) -> tuple[dict, int]:
@@ -721,6 +737,7 @@ class RecoveryManager:
         at = self.store.applied_step(shard) or 0
         rec.update(promoted=self.store.endpoint(shard), failed_endpoint=failed_endpoint)
         rec["restored_from_step"], rec["restored_bytes"] = at, 0
+        self._restore_steps[shard] = (at, at)  # the replica holds every write up to its applied step
         completed = step - 1
         if at >= completed:
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
@@ -777,6 +794,7 @@ class RecoveryManager:
         ckpt.verify()  # dense files too
         rec["restored_from_step"] = ckpt.step
         rec["restored_bytes"] = sum(self._restore_shard(s, ckpt) for s in range(self.store.num_shards))
+        self._restore_steps = dict.fromkeys(range(self.store.num_shards), (ckpt.step, ckpt.step))
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         rec["recomputed_steps"] = step - 1 - ckpt.step
         return ckpt.step, rec

@@ -293,19 +293,19 @@ class PrioritySaver(ShardRowsSaver):
         return total
 
 
-def overlay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int]:
+def overlay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int, int]:
     """Write the shard's newest priority save if taken after ``after_step`` and at ``upto`` or
-    before (by any trainer); -> (bytes, updates it saved)."""
+    before (by any trainer); -> (bytes, updates it saved, its step or ``after_step``)."""
     path = Path(directory) / f"shard{shard}.bin"
     if not path.exists():
-        return 0, 0
+        return 0, 0, after_step
     data = path.read_bytes()
     f = rowfiles.decode(data, f"priority save {path}")
     if not after_step < f.step <= upto:
-        return 0, 0
+        return 0, 0, after_step
     if f.groups:
         store.write_shard(shard, f.groups, step=None)
-    return len(data), f.updates
+    return len(data), f.updates, f.step
 
 
 def drop_after(directory: Path, step: int) -> int:

@@ -618,22 +618,28 @@ class Trainer:
                 w.wait()
         rec = self.recovery
         # bytes every trainer wrote (logs, priority saves, flushes), summed in one collective
+        store = getattr(self.backend, "store", None)
         saved = self.coll.sum_floats(
             np.array(
                 [
                     sum(x.bytes_written for x in logs),
                     rec.priority.bytes_written if rec.priority is not None else 0,
                     rec.flusher.bytes_written if rec.flusher is not None else 0,
+                    # the rows of restored shards its writers held: held again, known absent, read back
+                    getattr(store, "reload_kept", 0),
+                    getattr(store, "reload_absent", 0),
+                    getattr(store, "reload_read", 0),
                 ],
                 dtype=np.float64,
             )
         )
-        reload_s = getattr(getattr(self.backend, "store", None), "reload_s", 0.0)  # held rows read back after restores
+        reload_s = getattr(store, "reload_s", 0.0)  # held rows read back after restores
         log_us, reload_us = self.coll.max_flags(
             np.array([int(1e6 * sum(x.seconds for x in logs)), int(1e6 * reload_s)], dtype=np.int64)
         )
         self.reload_s = reload_us / 1e6
         totals = np.array([saved[0], log_us / 1e6, saved[1], saved[2]])  # log bytes, log s, priority, flush bytes
+        self.held_after_restores = {k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)}
         self.log_behind_s = sum(x.behind_seconds for x in logs)
         self.log_background_s = sum(x.background_seconds for x in logs)
         res: dict = {}
@@ -708,6 +714,7 @@ class Trainer:
             "log_background_seconds": round(self.log_background_s, 4),
             "behind_wait_s": round(getattr(getattr(self.backend, "store", None), "behind_wait_s", 0.0), 4),
             "held_reload_s": round(self.reload_s, 4),
+            "held_rows_after_restores": self.held_after_restores,
             "checkpoint_every": self.schedule.every,
             "checkpoint_plan": self.schedule.plan,
             "priority_saves": len(self.priority_pauses),

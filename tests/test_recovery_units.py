@@ -266,10 +266,13 @@ def held_and_tier(store):
 
 
 def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, namespace):
-    """After a partial restore of one shard, the writer holds every row again, as the shards hold it:
-    the other shards' rows were kept, the restored shard's read back in one bulk read."""
+    """After a partial restore of one shard (to the checkpoint of step 4, at step 8), the writer holds
+    every row again, as the shards hold it: the other shards' rows were kept; of the restored
+    shard's, those last written by step 4 are held again, those first written after it are known
+    never written, and only the rest (written both before and after) are read back."""
     _, store, _, kept = held_shard_restored(rig, namespace, "partial", 4)
     assert store.held.generation > kept and store.reload_s > 0
+    assert min(store.reload_kept, store.reload_absent, store.reload_read) > 0, vars(store)
     assert all(store.held.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
     held, tier = held_and_tier(store)
     for t in TABLES:
@@ -550,6 +553,6 @@ def test_priority_saves_of_later_steps_are_neither_overlaid_nor_kept(tmp_path):
         def write_shard(self, *a, **k):
             raise AssertionError("overlaid a save from beyond the failure")
 
-    assert priority.overlay(d, NoStore(), 0, after_step=10, upto=20) == (0, 0)
+    assert priority.overlay(d, NoStore(), 0, after_step=10, upto=20) == (0, 0, 10)
     assert priority.drop_after(d, 20) == 1
     assert sorted(p.name for p in d.iterdir()) == ["shard1.bin"]
