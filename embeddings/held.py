@@ -68,7 +68,7 @@ class HeldRows:
         self.generation = 0  # bumped by clear(): what a read learned before it is void
         self.version = 0  # bumped by every change: a read of rows held at this version is still current
         self._lock = threading.Lock()
-        self._forgotten: dict[int, np.ndarray] = {}  # per shard: rows held until ``clear`` forgot them
+        self._forgotten: dict[int, list[np.ndarray]] = {}  # per shard: rows held until ``clear`` forgot them
 
     def holds(self, table: int) -> bool:
         return bool(self._base[table] >= 0)
@@ -171,21 +171,21 @@ class HeldRows:
             self._state[held] = UNKNOWN
             if shard is None or self._owner is None:
                 self._forgotten.clear()
-            else:
-                pos = np.flatnonzero(held)
-                before = self._forgotten.get(shard)
-                self._forgotten[shard] = pos if before is None else np.union1d(before, pos)
+            else:  # merged when used (``_take_forgotten``): a restore clears a shard more than once
+                parts = self._forgotten.setdefault(shard, [])
+                parts.append(np.flatnonzero(held))
+                if len(parts) > 4:  # cleared again and again with no restore between: bounded
+                    parts[:] = [self._merged(parts)]
 
     def reinstate(self, shard: int) -> int:
         """The shard was restored to exactly what this writer had written to it (a log replay up to
         its last step): the rows ``clear`` forgot are held again, with the values they had (a row
         written or read since keeps its state). -> rows held again."""
         with self._lock:
-            pos = self._forgotten.pop(shard, None)
-            if pos is None or not len(pos):
+            pos = self._take_forgotten(shard)
+            if not len(pos):
                 return 0
             self.version += 1
-            pos = pos[self._state[pos] == UNKNOWN]
             self._state[pos] = HELD
             return len(pos)
 
@@ -196,16 +196,30 @@ class HeldRows:
         holds, so it is held again; one it first wrote after ``absent_after`` did not exist then, so
         it is known never written; the rest stay unknown (read back). -> (held again, now absent)."""
         with self._lock:
-            pos = self._forgotten.pop(shard, None)
-            if pos is None or not len(pos):
+            pos = self._take_forgotten(shard)
+            if not len(pos):
                 return 0, 0
             self.version += 1
-            pos = pos[self._state[pos] == UNKNOWN]
             kept = pos[self._last[pos] <= kept_upto]
             gone = pos[self._first[pos] > absent_after]
             self._state[kept] = HELD
             self._state[gone] = ABSENT
             return len(kept), len(gone)
+
+    def _take_forgotten(self, shard: int) -> np.ndarray:
+        """The rows ``clear`` forgot on ``shard`` that are still unknown (each once); forgets the list."""
+        pos = self._merged(self._forgotten.pop(shard, []))
+        return pos[self._state[pos] == UNKNOWN]
+
+    def _merged(self, parts: list[np.ndarray]) -> np.ndarray:
+        """Sorted positions in any of ``parts`` (a row forgotten, held again and forgotten again is
+        in two), by a mark per row: linear, where a sort of the positions is not."""
+        if len(parts) <= 1:
+            return parts[0] if parts else np.empty(0, np.int64)
+        mark = np.zeros(len(self._state), bool)
+        for p in parts:
+            mark[p] = True
+        return np.flatnonzero(mark)
 
     def drop_forgotten(self, shard: int) -> None:
         """The forgotten rows of ``shard`` are not to be held again (their shard went back to an

@@ -211,3 +211,28 @@ def test_a_shard_still_loading_its_snapshot_is_unavailable_for_now_not_corrupt(n
         stop.set()
         t.join()
         srv.close()
+
+
+def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps():
+    """Rows of shard 0 written at steps 2 and 6 (some both), the shard forgotten twice (a restore and
+    the rows written on top of it) with a row held again in between; a restore to step 4 with rows up
+    to step 5 on top: rows last written by 4 are held again, rows first written after 5 are absent,
+    the rest are unknown; each forgotten row is counted once."""
+    from embeddings.held import ABSENT, HELD, UNKNOWN, HeldRows
+    from embeddings.rowkeys import pack
+
+    tables = TableSet([TableSpec("t", 100, 2)])
+    held = HeldRows(tables, [2], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) >= 50).astype(np.int16))
+    held.assume_absent(0, np.arange(100))
+    early, late, both = np.arange(0, 10), np.arange(10, 20), np.arange(20, 30)
+    held.put_keys(pack(0, np.r_[early, both]), np.ones((20, 2), np.float32), step=2)
+    held.put_keys(pack(0, np.r_[late, both]), np.full((20, 2), 2, np.float32), step=6)
+    held.put_keys(pack(0, np.arange(60, 70)), np.ones((10, 2), np.float32), step=6)  # shard 1: untouched
+    held.clear(0)
+    held.put_keys(pack(0, early[:3]), np.ones((3, 2), np.float32), step=2)  # held again, then forgotten again
+    held.clear(0)
+    assert held.restored(0, kept_upto=4, absent_after=5) == (10, 10)
+    state = held._state
+    assert (state[early] == HELD).all() and (state[late] == ABSENT).all() and (state[both] == UNKNOWN).all()
+    assert (state[60:70] == HELD).all() and (state[70:] == ABSENT).all()
+    assert set(held.unknown(0)[0].tolist()) == set(both.tolist()) and held.restored(0, 4, 5) == (0, 0)
