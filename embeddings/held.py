@@ -189,19 +189,34 @@ class HeldRows:
             self._state[pos] = HELD
             return len(pos)
 
-    def restored(self, shard: int, kept_upto: int, absent_after: int) -> tuple[int, int]:
+    def restored(
+        self, shard: int, kept_upto: int, absent_after: int, overlay: tuple[np.ndarray, int] | None = None
+    ) -> tuple[int, int]:
         """The shard was restored to its state as of step ``kept_upto`` (a checkpoint), plus rows of
         later steps up to ``absent_after`` at most (a priority save, flushes, a log's records). Of the
         rows ``clear`` forgot: one this writer last wrote at ``kept_upto`` or before has the value it
         holds, so it is held again; one it first wrote after ``absent_after`` did not exist then, so
-        it is known never written; the rest stay unknown (read back). -> (held again, now absent)."""
+        it is known never written; the rest stay unknown (read back). ``overlay``: (packed keys,
+        step) of the only rows written on top, with the values this writer held at that step (its
+        own priority save): those last written by then are held again too, and any other row first
+        written after ``kept_upto`` is known never written. -> (held again, now absent)."""
         with self._lock:
             pos = self._take_forgotten(shard)
             if not len(pos):
                 return 0, 0
             self.version += 1
-            kept = pos[self._last[pos] <= kept_upto]
-            gone = pos[self._first[pos] > absent_after]
+            first, last = self._first[pos], self._last[pos]
+            if overlay is None:
+                kept = pos[last <= kept_upto]
+                gone = pos[first > absent_after]
+            else:
+                keys, step = overlay
+                at = self.flat(keys)
+                on_top = np.zeros(len(self._state), bool)
+                on_top[at[at >= 0]] = True
+                on_top = on_top[pos]
+                kept = pos[(last <= kept_upto) | (on_top & (last <= step))]
+                gone = pos[(first > kept_upto) & ~on_top]
             self._state[kept] = HELD
             self._state[gone] = ABSENT
             return len(kept), len(gone)

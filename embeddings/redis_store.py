@@ -451,7 +451,13 @@ class RedisStore(StoreBase):
                 owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
                 self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
 
-    def reload_held(self, shard: int, kept_upto: int | None = None, absent_after: int | None = None) -> int:
+    def reload_held(
+        self,
+        shard: int,
+        kept_upto: int | None = None,
+        absent_after: int | None = None,
+        overlay: tuple[np.ndarray, int] | None = None,
+    ) -> int:
         """After a shard was restored: read back the rows this writer held on it (one bulk read), so
         that the steps after the recovery read them from memory again and its write-behind keeps
         overlapping them; rows no longer on the shard are known never written. With the restore's
@@ -463,7 +469,7 @@ class RedisStore(StoreBase):
         if kept_upto is None or absent_after is None:
             self.held.drop_forgotten(shard)
         else:
-            kept, gone = self.held.restored(shard, kept_upto, max(kept_upto, absent_after))
+            kept, gone = self.held.restored(shard, kept_upto, max(kept_upto, absent_after), overlay)
             self.reload_kept += kept
             self.reload_absent += gone
         requests = self.held.unknown(shard)

@@ -519,7 +519,11 @@ class RecoveryManager:
             self.store.reinstate_held(s)
             return
         base, newest = self._restore_steps.get(s, (None, None))
-        self.guard(lambda: self.store.reload_held(s, base, newest))
+        overlay = None
+        if base is not None and newest > base and self.priority is not None and not self.strategy.replays_log:
+            keys = self.priority.exact_rows(s, newest)  # the save overlaid is this writer's newest
+            overlay = (keys, newest) if keys is not None else None
+        self.guard(lambda: self.store.reload_held(s, base, newest, overlay))
 
     def _finish_record(self, rec: dict, phase: str) -> None:
         rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)

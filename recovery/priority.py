@@ -230,6 +230,7 @@ class PrioritySaver(ShardRowsSaver):
         self.counts = counts if counts is not None else RowCounts()
         self.half = half
         self.saved_rows: dict[int, list[tuple[int, np.ndarray]]] = {}  # shard -> [(table, ids)] of the newest save
+        self.saved_step: dict[int, int] = {}  # shard -> the step of the newest save
         self.num_saves = 0
 
     MERGE_EVERY = 1 << 18  # observed keys handed to the writer thread to merge (bounds memory)
@@ -288,9 +289,19 @@ class PrioritySaver(ShardRowsSaver):
         self.writer.run(write)
         for s, per in sel.items():
             self.saved_rows[s] = list(per.items())
+            self.saved_step[s] = step
             total += sum(len(ids) for ids in per.values())
         self.num_saves += 1
         return total
+
+    def exact_rows(self, shard: int, step: int) -> np.ndarray | None:
+        """Packed keys of this writer's save of ``shard`` at ``step``, if that is its newest and holds
+        the rows exactly as they were (not float16): an overlay of it wrote the values the writer
+        held then. None otherwise."""
+        if self.half or self.saved_step.get(shard) != step:
+            return None
+        rows = self.saved_rows.get(shard, [])
+        return np.sort(np.concatenate([rowkeys.pack(t, ids) for t, ids in rows])) if rows else None
 
 
 def overlay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int, int]:

@@ -387,6 +387,8 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
     from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
+    store.hold_rows({0, 1, 2}, 1 << 30)  # the writer of every shard, as one trainer is
+    store.assume_fresh()
     ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store, run=namespace)
     saver = None
     if strategy != "partial":
@@ -425,20 +427,28 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
         saver.save(7)
     steps(8, 9)
     sh.kill(1)
-    mgr.guard(lambda: store.pull("a", np.arange(300)))
+    with store.from_redis():  # held rows would serve the pull without a word to the dead shard
+        mgr.guard(lambda: store.pull("a", np.arange(300)))
     mgr.recover(mgr.sync(), 10, "pull")
-    after = all_rows(store)
+    with store.from_redis():
+        after = all_rows(store)
+    held = all_rows(store), (store.reload_kept, store.reload_absent, store.reload_read)
     store.clear()
     store.close()
     sh.restart(1)
-    return mgr.failures[0], at_save, after, saver
+    return mgr.failures[0], at_save, after, saver, held
 
 
 @pytest.mark.parametrize("strategy", ["partial-mfu", "partial-ssu"])
 def test_priority_saves_are_overlaid_and_cut_the_loss(rig, tmp_path, namespace, strategy):
     sh = rig[0]
-    plain, _, _, _ = run_priority_schedule("partial", sh, tmp_path, namespace + "p")
-    rec, at_save, after, saver = run_priority_schedule(strategy, sh, tmp_path, namespace + "q")
+    plain, _, _, _, _ = run_priority_schedule("partial", sh, tmp_path, namespace + "p")
+    rec, at_save, after, saver, (held, counts) = run_priority_schedule(strategy, sh, tmp_path, namespace + "q")
+    # the writer holds what the shards hold, having read back only rows changed since the save or
+    # written both before and after the checkpoint: the overlaid rows it held at the save are kept
+    for t in TABLES:
+        np.testing.assert_array_equal(held[t.name], after[t.name])
+    assert counts[0] > 0 and counts[2] < sum(counts), counts
     # the restored shard holds the priority-saved rows as they were at the save
     chosen = saver.saved_rows[1]
     assert sum(len(ids) for _, ids in chosen) > 0
