@@ -115,8 +115,9 @@ class HeldRows:
                 self._first[at], self._last[at] = -1, NEVER
             else:
                 state = self._state[at]
-                self._first[at[state == ABSENT]] = step  # its first write: absent at any earlier step
-                self._first[at[state == UNKNOWN]] = -1
+                fresh = state != HELD  # mostly none on a step's path: one mask, no index arrays
+                if fresh.any():  # a first write: absent at any earlier step; unknown: may have existed
+                    self._first[at[fresh]] = np.where(state[fresh] == ABSENT, step, -1)
                 self._last[at] = step
             self._state[at] = HELD
 
