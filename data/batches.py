@@ -7,7 +7,7 @@ float32, ``sparse`` [n, 26] int64, ``labels`` [n]) and ``num_rows`` (``None`` = 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,6 +99,9 @@ class BatchReader:
     caller trains on it (numpy's generators and hashing release the GIL). Only one read runs at a
     time, so a source is never read from two threads at once; the position counts only the
     batches handed out, and a ``load_state_dict`` to another position drops the read-ahead batch.
+    ``prepare(batch)``: called on the read-ahead thread after each read (work on the batch that need
+    not wait for the step, e.g. its unique row keys); an error in it is ignored there, so that the
+    step that needs the work does it again and raises in its own thread.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class BatchReader:
         rank: int = 0,
         epochs: int = 1,
         read_ahead: bool = False,
+        prepare: Callable[[Batch], object] | None = None,
     ):
         self.lo, self.hi = rank_slice(global_batch_size, world_size, rank)
         self.source = source
@@ -120,6 +124,7 @@ class BatchReader:
             raise DataError(f"source has {source.num_rows} rows, fewer than one global batch of {global_batch_size}")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
         self._ahead: tuple[int, Future] | None = None  # (position, its batch or None past the end)
+        self.prepare = prepare
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -160,7 +165,16 @@ class BatchReader:
             raise StopIteration
         self.position += self.global_batch_size
         if self._pool is not None:
-            self._ahead = (self.position, self._pool.submit(self._read, self.position))
+            self._ahead = (self.position, self._pool.submit(self._read_prepared, self.position))
+        return batch
+
+    def _read_prepared(self, position: int) -> Batch | None:
+        batch = self._read(position)
+        if batch is not None and self.prepare is not None:
+            try:
+                self.prepare(batch)
+            except Exception:  # noqa: BLE001 - done again, and raised, by the step that needs it
+                pass
         return batch
 
     def state_dict(self) -> dict[str, int]:

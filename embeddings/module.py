@@ -14,6 +14,7 @@ embedding dim and one pooling mode.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from embeddings import rowkeys
 from embeddings.errors import RowRangeError
 from embeddings.store import EmbeddingStore
 
+_CACHED = 4  # batch contexts kept: the step's, the next batch's, the read-ahead one's, one spare
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
@@ -103,6 +105,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # torchrec's EmbeddingBagCollection sums them)
         self._pending: list[tuple[np.ndarray, list[torch.Tensor]]] = []
         self._cache: list[tuple[KeyedJaggedTensor, BatchKeys]] = []
+        self._cache_lock = threading.Lock()
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -111,13 +114,20 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return False
 
     def batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
-        """The batch's unique row keys and lookups (computed once per batch; the two newest kept)."""
-        for f, ctx in self._cache:
+        """The batch's unique row keys and lookups, computed once per batch: by the data reader's
+        read-ahead thread (``prepare``) or by the first of stage, prefetch and forward to ask. The
+        newest few are kept: the batch in training, the next one and the one being read ahead."""
+        for f, ctx in self._cache:  # a list replaced whole, never changed in place: safe to scan
             if f is features:
                 return ctx
         ctx = self._batch_keys(features)
-        self._cache = [(features, ctx), *self._cache[:1]]
+        with self._cache_lock:
+            self._cache = [(features, ctx), *(c for c in self._cache[: _CACHED - 1] if c[0] is not features)]
         return ctx
+
+    def prepare(self, batch) -> None:
+        """Work out a batch's keys ahead of its step (on the data reader's thread)."""
+        self.batch_keys(batch.sparse_features)
 
     def _batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
         names = [f for f, _, _ in self._features]

@@ -74,6 +74,10 @@ class StoreBackend:
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)
         self.names = self.store.tables.names
 
+    def prepare(self, batch: Batch) -> None:
+        """On the data reader's read-ahead thread: the batch's unique row keys, before its step."""
+        self.ebc.prepare(batch)
+
     def prefetch(self, batch: Batch | None) -> None:
         if self.prefetcher is not None and batch is not None:
             self.prefetcher.prefetch(self.ebc.unique_keys(batch.sparse_features))

@@ -295,7 +295,13 @@ class Trainer:
         self.opt = dense_optimizer(cfg, dense_params(self.plain))
         self.data = sources(cfg)
         self.reader = BatchReader(
-            self.data.train, self.batch_size, world_size=world_size, rank=rank, epochs=1 << 30, read_ahead=True
+            self.data.train,
+            self.batch_size,
+            world_size=world_size,
+            rank=rank,
+            epochs=1 << 30,
+            read_ahead=True,
+            prepare=getattr(self.backend, "prepare", None),
         )
         self.coll = collective(world_size)
         self.recovery, self.checkpointer, self.injector = build_recovery(cfg, self.backend, self.specs, self.coll, rank)

@@ -1,5 +1,6 @@
 import gzip
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +172,27 @@ def test_read_ahead_yields_the_same_batches_and_follows_a_rewind(tmp_path):
     ahead.close()
     assert_same_batches(got, plain[:3] + plain[1:])
     assert len(got) == 3 + len(plain) - 1
+
+
+def test_read_ahead_prepares_each_batch_on_its_thread_and_a_failed_prepare_is_left_to_the_step(tmp_path):
+    preprocess(SAMPLE, tmp_path, "s", progress=False)
+    src = BinarySource(BinaryCriteo.open(tmp_path, "s"), [1000] * NUM_SPARSE)
+    seen = {}
+
+    def prepare(batch):
+        seen[id(batch)] = threading.current_thread().name
+        if len(seen) == 2:
+            raise ValueError("a bad row id")  # the step that needs the work redoes it and raises
+
+    reader = BatchReader(src, 32, read_ahead=True, prepare=prepare)
+    got = [next(reader) for _ in range(4)]
+    reader.close()
+    assert_same_batches(
+        got, list(BatchReader(BinarySource(BinaryCriteo.open(tmp_path, "s"), [1000] * NUM_SPARSE), 32))[:4]
+    )
+    # the first batch is read by the caller; each later one was prepared on the read-ahead thread
+    assert id(got[0]) not in seen
+    assert [seen.get(id(b), "").startswith("read-ahead") for b in got[1:]] == [True, True, True]
 
 
 def test_binary_reader_ends_after_last_full_batch(tmp_path):

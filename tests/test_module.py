@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -86,6 +87,8 @@ def test_dlrm_accepts_module_and_trains(shards3, namespace):
     kjt = make_kjt(rng)
     dense = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(1))
     labels = (torch.arange(BATCH) % 2).float()
+    ebc.prepare(Batch(dense_features=dense, sparse_features=kjt, labels=labels))  # as the data reader does, ahead
+    ctx = ebc.batch_keys(kjt)
     losses = []
     for _ in range(100):
         logits = model(dense, kjt).squeeze(1)
@@ -96,6 +99,7 @@ def test_dlrm_accepts_module_and_trains(shards3, namespace):
         ebc.apply_gradients()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+    assert ebc.batch_keys(kjt) is ctx  # the batch's keys were worked out once, for every forward
     store.clear()
     store.close()
 
