@@ -318,14 +318,19 @@ def bench_sweep(args) -> list[dict]:
 
 
 def per_interval(rows: list[dict]) -> list[dict]:
-    """Rows of several draws averaged per (strategy, interval)."""
+    """Rows of several draws averaged per (strategy, interval), with the spread over the draws
+    (``*_sd``: sample standard deviation; 0 with one draw)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["strategy"], r["interval"]), []).append(r)
     out = []
     for (strategy, k), rs in groups.items():
         mean = {c: round(float(np.mean([r[c] for r in rs])), 5) for c in ("overhead_pct", "auc_change", "pls")}
-        out.append({"strategy": strategy, "interval": k, "planner": rs[0]["planner"], "draws": len(rs), **mean})
+        sd = {
+            f"{c}_sd": round(float(np.std([r[c] for r in rs], ddof=1)), 5) if len(rs) > 1 else 0.0
+            for c in ("overhead_pct", "auc_change")
+        }
+        out.append({"strategy": strategy, "interval": k, "planner": rs[0]["planner"], "draws": len(rs), **mean, **sd})
     return out
 
 
@@ -370,9 +375,15 @@ def sweep_verdict(rows: list[dict], ref: dict, tolerance: float, target_pls: flo
             ok = [r for r in means if r["strategy"] == strategy and passes(r)]
             if ok:
                 best = min(ok, key=lambda r: r["overhead_pct"])
+                spread = (
+                    f" (over {best['draws']} draws, SD of the overhead {best['overhead_pct_sd']}, "
+                    f"of the AUC change {best['auc_change_sd']})"
+                    if best["draws"] > 1
+                    else ""
+                )
                 lines.append(
                     f"- {strategy}: interval {best['interval']}, overhead {best['overhead_pct']}%, "
-                    f"AUC change {best['auc_change']}, PLS {best['pls']}"
+                    f"AUC change {best['auc_change']}, PLS {best['pls']}{spread}"
                 )
             else:
                 lines.append(f"- {strategy}: no interval {none_msg}")

@@ -192,3 +192,8 @@ def test_sweep_verdict_picks_the_cheapest_interval_by_accuracy_and_by_the_pls_ta
     assert "- partial: interval 3000, overhead 0.15%" in by_auc and "- partial-mfu: interval 1500" in by_auc
     assert "- partial: interval 500, overhead 0.4%" in by_pls and "- partial-mfu: interval 1500" in by_pls
     assert "no interval meets the target" in sweep_verdict(rows[1:2], {"final_auc": 0.8}, 0.0005, 0.06)
+    # two draws of one run: their means decide, and the spread over the draws is shown
+    twice = [row("partial", 3000, 0.1, -0.0003, 0.1), row("partial", 3000, 0.3, 0.0001, 0.2)]
+    md = sweep_verdict(twice, {"final_auc": 0.8}, 0.0005)
+    assert "- partial: interval 3000, overhead 0.2%, AUC change -0.0001, PLS 0.15 (over 2 draws" in md
+    assert "SD of the overhead 0.14142, of the AUC change 0.00028)" in md
