@@ -325,9 +325,10 @@ def per_interval(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["strategy"], r["interval"]), []).append(r)
     out = []
     for (strategy, k), rs in groups.items():
-        mean = {c: round(float(np.mean([r[c] for r in rs])), 5) for c in ("overhead_pct", "auc_change", "pls")}
+        digits = {"overhead_pct": 3, "auc_change": 5, "pls": 5}
+        mean = {c: round(float(np.mean([r[c] for r in rs])), n) for c, n in digits.items()}
         sd = {
-            f"{c}_sd": round(float(np.std([r[c] for r in rs], ddof=1)), 5) if len(rs) > 1 else 0.0
+            f"{c}_sd": round(float(np.std([r[c] for r in rs], ddof=1)), digits[c]) if len(rs) > 1 else 0.0
             for c in ("overhead_pct", "auc_change")
         }
         out.append({"strategy": strategy, "interval": k, "planner": rs[0]["planner"], "draws": len(rs), **mean, **sd})

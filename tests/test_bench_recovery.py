@@ -196,4 +196,4 @@ def test_sweep_verdict_picks_the_cheapest_interval_by_accuracy_and_by_the_pls_ta
     twice = [row("partial", 3000, 0.1, -0.0003, 0.1), row("partial", 3000, 0.3, 0.0001, 0.2)]
     md = sweep_verdict(twice, {"final_auc": 0.8}, 0.0005)
     assert "- partial: interval 3000, overhead 0.2%, AUC change -0.0001, PLS 0.15 (over 2 draws" in md
-    assert "SD of the overhead 0.14142, of the AUC change 0.00028)" in md
+    assert "SD of the overhead 0.141, of the AUC change 0.00028)" in md
