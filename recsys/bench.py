@@ -408,6 +408,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     rows = per_interval(rows)
@@ -416,6 +417,16 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
         x = [r["overhead_pct"] for r in mine]
         for ax, key in zip(axes, ("auc_change", "pls")):
             line = ax.plot(x, [r[key] for r in mine], marker="o", label=strategy)[0]
+            if key == "auc_change" and any(r["draws"] > 1 for r in mine):  # the spread over the draws
+                ax.errorbar(
+                    x,
+                    [r[key] for r in mine],
+                    yerr=[r["auc_change_sd"] for r in mine],
+                    fmt="none",
+                    ecolor=line.get_color(),
+                    alpha=0.4,
+                    capsize=3,
+                )
             for r in mine:
                 ax.annotate(
                     str(r["interval"]),
@@ -427,11 +438,13 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
                 if r["planner"]:
                     ax.scatter([r["overhead_pct"]], [r[key]], marker="*", s=180, color=line.get_color(), zorder=3)
     axes[0].axhline(0, color="gray", lw=0.8)
-    axes[0].set_ylabel("AUC change vs failure-free run")
+    axes[0].set_ylabel("AUC change vs failure-free run (bars: SD over the draws)")
     axes[1].set_ylabel("PLS (portion of lost samples)")
     for ax in axes:
         ax.set_xlabel("checkpoint-related overhead (%)")
         ax.set_xscale("symlog", linthresh=1.0)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title + " (labels: interval; star: the planner's)", fontsize=9)
