@@ -528,6 +528,11 @@ class RecoveryManager:
     def _finish_record(self, rec: dict, phase: str) -> None:
         rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
         rec["phase"] = phase
+        if rec.pop("transient", False):  # not a failure: noted, not counted
+            self.note(
+                f"step {rec['step']}: shard {rec['target']} refused by the cluster for {rec['recovery_s']}s, not lost"
+            )
+            return
         self._record(rec)  # durable now: a trainer that dies before the next commit point does not lose it
 
     def _recover_on_rank0(self, failed: list[int], step: int, phase: str) -> tuple[int, dict[int, int]]:
@@ -743,6 +748,12 @@ class RecoveryManager:
         rec["restored_from_step"], rec["restored_bytes"] = at, 0
         self._restore_steps[shard] = (at, at)  # the replica holds every write up to its applied step
         completed = step - 1
+        if self.store.cluster is not None and rec["promoted"] == failed_endpoint and at >= completed:
+            # the same primary, every write on it: the cluster refused the shard for a while
+            # (CLUSTERDOWN while another shard's primary failed over), but it did not fail
+            rec["transient"] = True
+            rec["lost_updates"], rec["lost_samples"] = 0, 0.0
+            return rec, at
         if at >= completed:
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
