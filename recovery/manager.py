@@ -123,8 +123,11 @@ class Laps:
         self.t = now
 
 
-def _wait_all(pending: list) -> None:
-    """Each log's records handed over before (``ShardLog.pending``) are written."""
+def _wait_all(pending: list, durable: Callable[[], None] | None = None) -> None:
+    """``durable`` has returned and each log's records handed over before (``ShardLog.pending``)
+    are written."""
+    if durable is not None:
+        durable()
     for log, future in pending:
         log.wait_for(future)
 
@@ -373,7 +376,9 @@ class RecoveryManager:
     def _logged(self, shard: int, step: int) -> None:
         self._last_logged[shard] = max(step, self._last_logged.get(shard, step))
 
-    def apply(self, owned, step: int, only=None, behind: bool = False) -> None:
+    def apply(
+        self, owned, step: int, only=None, behind: bool = False, durable: Callable[[], None] | None = None
+    ) -> None:
         """Write this step's rows of the shards this trainer owns, then group-commit them to the
         shards' logs. ``owned``: a ``StepUpdate`` (sorted packed keys, gradients, shards) or a dict
         table name -> (ids, grads). The optimizer runs once over every shard's rows and the shards
@@ -381,9 +386,12 @@ class RecoveryManager:
         ``behind`` (with ``write_behind``, first attempt only): the write goes to the write-behind
         thread; ``commit_behind`` is its commit point. Its records are handed to the logs first
         (after the last step's are written): the step's rows move only once the step before is in
-        the logs, as for a synchronous write."""
+        the logs, as for a synchronous write. ``durable``: a wait for what must be written before
+        the step's rows move (the dense state of the step before), run on the thread that moves them."""
         behind = behind and self.write_behind and only is None
         if not behind:
+            if durable is not None:
+                durable()
             self._wait_logs()
         if isinstance(owned, dict):
             owned = self._update_of(owned)
@@ -396,6 +404,8 @@ class RecoveryManager:
         try:
             current = self.store.read_keys(keys)  # held rows: no I/O
         except ShardUnavailableError:  # some rows had to come from a shard that is down: shard by shard
+            if behind and durable is not None:
+                durable()
             self._apply_by_shard(keys, grads, shards, step)
             return
         new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
@@ -411,7 +421,7 @@ class RecoveryManager:
                     if log is not None:  # its rows picked and grouped on the log's thread
                         self._logged(s, step)
                         log.append_keys(step, keys, new, shards)
-            self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before))
+            self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before, durable))
             self._behind = (owned, step, keys, new, shards)
             return
         failed = self.store.write_step(keys, new, shards, step, undo=current)

@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write each step's rows before the next step starts (default with one trainer: while it computes)",
     )
+    tr.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="local shards keep their memory in 2 MB pages (jemalloc thp:always; needs the host's THP at "
+        "madvise or always)",
+    )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     tr.add_argument(
         "--replica-wait",
@@ -215,6 +221,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["embeddings"]["prefetch"] = False
     if args.no_write_behind:
         sections["embeddings"]["write_behind"] = False
+    if args.huge_pages:
+        sections["embeddings"]["huge_pages"] = True
     if args.save_model:
         sections["train"]["save_model"] = True
     if args.replica_wait:

@@ -88,7 +88,9 @@ def shard_urls(cfg: RunConfig):
     if cfg.embeddings.embeddings == "local":
         yield [], [], []
     elif cfg.embeddings.redis == "local":
-        with LocalShards(cfg.embeddings.shards, replicas=cfg.embeddings.replicas == "local") as shards:
+        with LocalShards(
+            cfg.embeddings.shards, replicas=cfg.embeddings.replicas == "local", huge_pages=cfg.embeddings.huge_pages
+        ) as shards:
             yield shards.urls, shards.specs, shards.replica_urls
     else:
         seeds = seed_urls(cfg.embeddings.redis) if cfg.embeddings.cluster else cfg.embeddings.urls

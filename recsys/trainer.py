@@ -454,11 +454,10 @@ class Trainer:
     def commit_sparse(self, step: int) -> Outcome:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""
         update = self.backend.gradients()
-        self.dense_saver.wait()  # the dense state of step - 1 is durable before any shard moves to step
         out = self.recovery.commit_behind(step)  # step - 1's write-behind commits (or is recovered) first
         if out.rolled_back:
             return out
-        if self.dense_saver.skipped == step - 1:  # its write failed when it was saved: now it is redone
+        if self.dense_saver.refused(step - 1):  # its step's write failed when it was saved: now it is redone
             self.dense_saver.save(step - 1, lambda: self.state_dict(step - 1))
             self.dense_saver.wait()
         if update is None:
@@ -466,7 +465,9 @@ class Trainer:
             return CONTINUE
 
         def write(only) -> None:
-            self.recovery.apply(update, step, only, behind=True)
+            # the dense state of step - 1 is written before any shard moves to step: waited for on
+            # the write-behind thread, or here before a synchronous write
+            self.recovery.apply(update, step, only, behind=True, durable=self.dense_saver.written())
             if self.injector is not None:
                 self.injector.mid_step(step)
 

@@ -95,3 +95,32 @@ def test_trainers_are_forked_only_while_no_tensor_op_has_run_in_parallel():
         for code in (fresh, loaded)
     ]
     assert [o.stdout.split() for o in outs] == [["fork", "spawn"], ["spawn"]], [o.stderr[-2000:] for o in outs]
+
+
+def _huge_kb(pid: int) -> int:
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _fill(client) -> None:
+    for lo in range(0, 300_000, 10_000):  # ~60 MB of 68-byte rows
+        client.mset({b"k%d" % i: b"x" * 68 for i in range(lo, lo + 10_000)})
+
+
+def test_huge_pages_reach_the_server_and_its_allocator():
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    with LocalShards(1, huge_pages=True) as sh:
+        client = redis.Redis.from_url(sh.urls[0])
+        assert client.config_get("disable-thp") == {"disable-thp": "no"}
+        _fill(client)
+        if "[never]" not in thp:  # the host grants them: the key space is in 2 MB pages
+            assert _huge_kb(sh.pid(0)) >= 16 * 1024
+        client.close()
+    with LocalShards(1) as sh:  # off by default: the server turns THP off for itself
+        client = redis.Redis.from_url(sh.urls[0])
+        assert client.config_get("disable-thp") == {"disable-thp": "yes"}
+        _fill(client)
+        assert _huge_kb(sh.pid(0)) == 0
+        client.close()

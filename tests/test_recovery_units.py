@@ -4,6 +4,7 @@ import time
 import numpy as np
 import pytest
 import redis
+import torch
 
 from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from recovery.accounting import UpdateCounter, lost_samples, pls
@@ -566,3 +567,38 @@ def test_priority_saves_of_later_steps_are_neither_overlaid_nor_kept(tmp_path):
     assert priority.overlay(d, NoStore(), 0, after_step=10, upto=20) == (0, 0, 10)
     assert priority.drop_after(d, 20) == 1
     assert sorted(p.name for p in d.iterdir()) == ["shard1.bin"]
+
+
+def test_dense_saves_queue_in_order_and_a_refused_one_leaves_the_step_before(tmp_path):
+    """Per-step dense state: saves do not wait for each other, the file holds the last one its gate
+    let through, and what it holds is a copy (training moves the live tensors on)."""
+    from concurrent.futures import Future
+
+    from recovery.dense import DenseSaver
+
+    saver = DenseSaver(tmp_path, "ns")
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    state = {
+        "dense": {"model": {"w": w, "b": torch.tensor(1.5)}, "optim": {"state": {0: {"step": torch.tensor(3.0)}}}},
+        "run": {"step": 1, "reader": {"position": 1024}, "pair": (1, 2), "ids": torch.arange(3)},
+    }
+    ok, failed = Future(), Future()
+    saver.save(1, lambda: state, gate=lambda: not ok.result())
+    w += 10  # the next step trains on: the save of step 1 holds the values it had
+    done = saver.written()
+    ok.set_result({})  # step 1's rows reached every shard
+    done()
+    got = saver.load()
+    assert got["step"] == 1 and torch.equal(got["dense"]["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert got["dense"]["model"]["b"].shape == () and float(got["dense"]["model"]["b"]) == 1.5
+    assert got["run"]["pair"] == (1, 2) and torch.equal(got["run"]["ids"], torch.arange(3))
+    assert float(got["dense"]["optim"]["state"][0]["step"]) == 3.0
+    saver.save(2, lambda: state, gate=lambda: not failed.result())
+    failed.set_result({1: "shard 1 down"})  # step 2's write failed on a shard: its save is refused
+    saver.wait()
+    assert saver.refused(2) and not saver.refused(1)
+    assert saver.load()["step"] == 1 and not (tmp_path / "dense_latest.pt.tmp").exists()
+    saver.save(2, lambda: state)  # redone once the shard is recovered
+    saver.wait()
+    got = saver.load()
+    assert got["step"] == 2 and torch.equal(got["dense"]["model"]["w"], w) and saver.num_saves == 2
