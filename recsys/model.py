@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torchrec
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, InteractionArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
@@ -36,15 +36,39 @@ def row_optimizer(cfg: RunConfig):
     return make_optimizer(cfg.optim.optimizer, cfg.optim.lr, cfg.optim.eps)
 
 
-def build_dlrm(cfg: RunConfig, ebc) -> DLRM:
-    """DLRM over ``ebc``; dense init from ``cfg.train.seed`` so every backend starts the same."""
+class PairInteraction(InteractionArch):
+    """torchrec's ``InteractionArch`` (the same values and gradients, bit for bit), with the upper
+    triangle of each sample's ``[F + 1, F + 1]`` dot products picked by one flat ``index_select``
+    instead of advanced indexing with two index tensors: on the host that pick and its backward
+    took 3.5 ms of a 1-thread step at batch 1024 (7.3 against 3.8 ms, forward and backward with the
+    dot products, measured alone)."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__(num_sparse_features)
+        rows, cols = self.triu_indices
+        self.register_buffer("triu_flat", rows * (self.F + 1) + cols, persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        dots = torch.bmm(combined, torch.transpose(combined, 1, 2))
+        return torch.cat((dense_features, dots.flatten(1).index_select(1, self.triu_flat)), dim=1)
+
+
+def build_dlrm(cfg: RunConfig, ebc, stock: bool = False) -> DLRM:
+    """DLRM over ``ebc``; dense init from ``cfg.train.seed`` so every backend starts the same.
+    ``stock``: torchrec's own interaction (``PairInteraction`` computes the same)."""
     torch.manual_seed(cfg.train.seed)
-    return DLRM(
+    model = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=NUM_DENSE,
         dense_arch_layer_sizes=[*cfg.model.dense_arch, cfg.model.embedding_dim],
         over_arch_layer_sizes=[*cfg.model.over_arch, 1],
     )
+    if not stock:
+        model.inter_arch = PairInteraction(model.inter_arch.F)
+    return model
 
 
 def store_model(cfg: RunConfig, store: EmbeddingStore, row_source=None) -> tuple[DLRM, StoreEmbeddingBagCollection]:

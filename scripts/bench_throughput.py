@@ -6,8 +6,11 @@ Same model, data and steps for every row. The reference of the ratios is torchre
 plain loop over pre-built batches: the strongest peer. Then ``--embeddings local`` (the same fused
 engine inside the project's training loop, data read each step), and the Redis tier with each shard
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
-trainer restarts on). samples/s counts training steps only (no setup, no evaluation), after 10
-warm-up steps for every engine: the project's runs train ``--steps`` + 10 steps and report
+trainer restarts on; the goal configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``:
+no per-step dense state, what the fused engine never writes). The project's DLRM computes
+torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
+engine with torchrec's stock interaction, as a torchrec user gets it. samples/s counts training
+steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs train ``--steps`` + 10 steps and report
 ``summary.json``'s ``throughput_after_warmup_samples_per_s``; the whole run's figure is printed
 beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
 out, waiting, after), over every step.
@@ -55,10 +58,10 @@ def tput(summary: dict) -> float:
 
 
 def config(
-    args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int, rows=None, dim=None
+    args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int, rows=None, dim=None, restarts=True
 ) -> RunConfig:
     rows = rows or args.rows_per_table
-    return RunConfig(
+    cfg = RunConfig(
         data=DataConfig(data=data_spec(args, rows), rows_per_table=rows, eval_samples=4096),
         model=ModelConfig(embedding_dim=dim or args.embedding_dim),
         embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch),
@@ -73,10 +76,15 @@ def config(
             progress=False,
         ),
     )
+    if not restarts:
+        cfg.recovery.max_restarts = 0
+    return cfg
 
 
-def fused_samples_per_s(args, rows=None, dim=None) -> float:
-    """torchrec's fused engine under the same DLRM, data and dense optimizer; 10 warm-up steps."""
+def fused_samples_per_s(args, rows=None, dim=None, stock=False) -> float:
+    """torchrec's fused engine under the same DLRM, data and dense optimizer; 10 warm-up steps.
+    ``stock``: torchrec's own DLRM interaction, as a torchrec user gets it (the project's computes
+    the same, faster)."""
     import time
 
     import torch
@@ -94,7 +102,7 @@ def fused_samples_per_s(args, rows=None, dim=None) -> float:
     ebc = FusedEmbeddingBagCollection(
         tables=table_configs(cfg), optimizer_type=kind, optimizer_kwargs=kwargs, device=torch.device("cpu")
     )
-    model = build_dlrm(cfg, ebc)
+    model = build_dlrm(cfg, ebc, stock=stock)
     opt = dense_optimizer(cfg, dense_params(model))
     reader = BatchReader(sources(cfg).train, args.batch_size, world_size=1, rank=0, epochs=1 << 30)
     batches = [next(reader) for _ in range(args.steps + 10)]
@@ -194,6 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         args.tmp = tmp
         rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}, None))
+        stock = fused_samples_per_s(args, stock=True)
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
         rows.append(
             ("--embeddings local (fused)", 1, 1, "-", tput(base), base["step_ms"], base["throughput_samples_per_s"])
@@ -210,11 +219,22 @@ def main() -> None:
                             *(s, w, label, tput(summary), summary["step_ms"], summary["throughput_samples_per_s"]),
                         )
                     )
+                    if (s, w, prefetch) == (2, 1, False):  # what the per-step dense save for restarts costs
+                        summary = run(
+                            config(args, out.with_name(out.name + "-norestart"), "redis", s, False, w, restarts=False)
+                        )
+                        rows.append(
+                            (
+                                "redis tier, --max-restarts 0",
+                                *(s, w, label, tput(summary), summary["step_ms"], summary["throughput_samples_per_s"]),
+                            )
+                        )
         # the reference again after the others: the machine is shared, and its figure moves most; the
         # ratios use the fastest fused figure (the strongest peer)
         rows.insert(
             1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {}, None)
         )
+        rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
         swept = sweep(args, Path(tmp)) if args.sweep else []
         pairs = []
         for i in range(args.pairs):

@@ -113,3 +113,22 @@ def test_module_rejects_mismatched_configs(shards3, namespace):
     with pytest.raises(UnknownTableError, match="'zz'"):
         StoreEmbeddingBagCollection(missing, store)
     store.close()
+
+
+def test_pair_interaction_matches_torchrecs_bit_for_bit():
+    from torchrec.models.dlrm import InteractionArch
+
+    from recsys.model import PairInteraction
+
+    torch.manual_seed(3)
+    dense = torch.randn(64, 8)
+    sparse = torch.randn(64, 5, 8)
+    outs, grads = [], []
+    for arch in (InteractionArch(5), PairInteraction(5)):
+        d, s = dense.clone().requires_grad_(True), sparse.clone().requires_grad_(True)
+        out = arch(d, s)
+        (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+        outs.append(out.detach())
+        grads.append((d.grad, s.grad))
+    assert outs[0].shape == (64, 8 + 5 + 5 * 4 // 2) and torch.equal(outs[0], outs[1])
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
