@@ -2,17 +2,17 @@
 
 After each step rank 0 copies the dense model and optimizer state (the copy is the snapshot
 point: every tensor of a dtype is copied into one flat tensor, ``pack``) and a thread writes it to
-``dense_latest.pt`` (temp file, fsync, rename; the temp file is written while the step's rows are
-still on their way, and renamed once they are on the shards). The next step's rows move only once it is written: a synchronous write waits for it first
-(``written()`` on the training thread), a write-behind on its own thread, so that the training
-thread never waits for the file. On a restart the dense state is at step d and every shard is at
-d or d + 1 (the latter rolled back by its undo record). Saves are written in the order they were
-handed over; the next one does not wait for the one before.
+a temp file of its step (fsync), while the step's rows may still be on their way to the shards.
+Once they are all there, the thread that moves the next step's rows first renames it to
+``dense_latest.pt`` (``committer``): the write-behind thread, or the training thread before a
+synchronous write; the training thread never waits for the file. On a restart the dense state is
+at step d and every shard is at d or d + 1 (the latter rolled back by its undo record).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,72 +85,88 @@ class DenseSaver:
         self.path = Path(directory) / "dense_latest.pt"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
+        if writer:  # what a killed writer left half-way: never the state of any step
+            for stale in self.path.parent.glob(self.path.name + ".*.tmp"):
+                stale.unlink(missing_ok=True)
         # one long-lived thread: starting a thread per step waits for it to be scheduled (~2 ms a
         # step on 2 busy cores)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense-save")
-        self._pending: list[Future] = []  # saves handed over and maybe not written yet, in order
+        self._saved: dict[int, Future] = {}  # step -> the write of its temp file, not committed yet
+        self._lock = threading.Lock()  # ``_saved``: saves on the training thread, commits on another
         self._error: BaseException | None = None
-        self._last: tuple[int, Callable[[], bool] | None] | None = None  # the last save's step and gate
         self.num_saves = 0
         self.seconds = 0.0
 
-    def save(self, step: int, state: Callable[[], dict], gate: Callable[[], bool] | None = None) -> None:
-        """``state()`` is called only here, on the writer: trainers that do not save pay nothing.
-        ``gate``: called on the save thread before writing; False skips this save (``refused``), so
-        the file never holds a step whose sparse write failed (a write-behind's). Does not wait for
-        the saves before it (an error of one is raised here)."""
+    def _tmp(self, step: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{step}.tmp")
+
+    def save(self, step: int, state: Callable[[], dict]) -> None:
+        """Copy the state of ``step`` now (``state()`` is called only here, on the writer: trainers
+        that do not save pay nothing) and write it to a temp file of its own on the save thread,
+        without waiting for the saves before it (an error of one is raised here). It becomes the
+        dense state only when ``committed``: once every row of ``step`` is on its shard."""
         self._raise()
-        self._pending = [f for f in self._pending if not f.done()]
-        self._last = (step, gate)
         if not self.writer:
             return
         snapshot = {"namespace": self.namespace, "step": step, "packed": pack(state())}
-        self._pending.append(self._pool.submit(self._write, snapshot, gate))
+        with self._lock:
+            self._saved[step] = self._pool.submit(self._write, snapshot, self._tmp(step))
 
-    def refused(self, step: int) -> bool:
-        """Whether the save of ``step`` (the last one) was refused by its gate: its step's
-        write-behind failed on a shard. Asked once that write-behind was joined, so the gate's
-        answer is known here at once; does not wait for the file."""
-        if self._last is None or self._last[0] != step or self._last[1] is None:
-            return False
-        return not self._last[1]()
+    def committer(self, step: int) -> Callable[[], None] | None:
+        """Every row of ``step`` is on its shard: a call, for the thread that moves the next step's
+        rows and before it moves them, that waits for the save of ``step`` to be written and makes
+        it the dense state (a rename), dropping older saves never committed (their steps' rows did
+        not all reach their shards, or a rollback passed them). None: no save of ``step`` (not the
+        writer, or a rollback went back past it)."""
+        with self._lock:
+            future = self._saved.get(step)
+        if future is None:
+            return None
 
-    def written(self) -> Callable[[], None]:
-        """A wait, for any thread, until the saves handed over so far are written (raises what a
-        write raised): what a step's rows wait for before they move."""
-        pending = list(self._pending)
-
-        def wait() -> None:
-            for f in pending:
-                f.result()
+        def commit() -> None:
+            future.result()
             if self._error is not None:
                 raise self._error
+            with self._lock:
+                if self._saved.get(step) is not future:  # committed already (a redone write's commit)
+                    return
+                older = [s for s in self._saved if s <= step]
+                for s in older:
+                    del self._saved[s]
+            os.replace(self._tmp(step), self.path)
+            self.num_saves += 1
+            for s in older:
+                if s != step:
+                    self._tmp(s).unlink(missing_ok=True)
 
-        return wait
+        return commit
 
-    def _write(self, snapshot: dict, gate: Callable[[], bool] | None = None) -> None:
+    def _write(self, snapshot: dict, tmp: Path) -> None:
         t0 = time.perf_counter()
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             with open(tmp, "wb") as f:  # written while the step's rows may still be on their way
                 torch.save(snapshot, f)
                 f.flush()
                 os.fsync(f.fileno())
-            if gate is not None and not gate():  # they did not all reach their shards: not this step
-                tmp.unlink(missing_ok=True)
-                return
-            os.replace(tmp, self.path)
-            self.num_saves += 1
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+        except BaseException as e:  # noqa: BLE001 - surfaced by the next save, commit or wait
             self._error = e
         self.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Until every save handed over is written; raises what a write raised."""
-        pending, self._pending = self._pending, []
+        """Until every save handed over is written (committed or not); raises what a write raised."""
+        with self._lock:
+            pending = list(self._saved.values())
         for f in pending:
             f.result()
         self._raise()
+
+    def discard(self) -> None:
+        """Drop the saves never committed (the run ends): their temp files go."""
+        self.wait()
+        with self._lock:
+            steps, self._saved = list(self._saved), {}
+        for s in steps:
+            self._tmp(s).unlink(missing_ok=True)
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -175,14 +191,14 @@ class NoDenseSaver:
     num_saves = 0
     seconds = 0.0
 
-    def save(self, step: int, state: Callable[[], dict], gate=None) -> None:
+    def save(self, step: int, state: Callable[[], dict]) -> None:
         pass
 
-    def refused(self, step: int) -> bool:
-        return False
-
-    def written(self) -> None:
+    def committer(self, step: int) -> None:
         return None
+
+    def discard(self) -> None:
+        pass
 
     def wait(self) -> None:
         pass

@@ -283,12 +283,6 @@ class RecoveryManager:
         finally:
             self._seen_at = None
 
-    def behind_gate(self) -> Callable[[], bool] | None:
-        """For the per-step dense save: a wait for the write-behind in flight -> whether it wrote every
-        shard (a dense state is saved only once its step's rows are on the shards). None: none in flight."""
-        pending = self.store.behind_pending() if self._behind is not None else None
-        return None if pending is None else (lambda: not pending.result())
-
     def _settle_behind(self) -> None:
         """Join the write-behind: failed shards are recorded (their part is redone after their
         recovery, unless the recovery brought them to its step). Its rows went to the shards' logs
@@ -1013,9 +1007,6 @@ class NoRecovery:
 
     def commit_behind(self, now: int) -> Outcome:
         return CONTINUE
-
-    def behind_gate(self) -> None:
-        return None
 
     def count_updates(self, updated, step=None) -> None:
         pass

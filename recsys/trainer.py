@@ -457,17 +457,14 @@ class Trainer:
         out = self.recovery.commit_behind(step)  # step - 1's write-behind commits (or is recovered) first
         if out.rolled_back:
             return out
-        if self.dense_saver.refused(step - 1):  # its step's write failed when it was saved: now it is redone
-            self.dense_saver.save(step - 1, lambda: self.state_dict(step - 1))
-            self.dense_saver.wait()
         if update is None:
             self.backend.apply_local()
             return CONTINUE
 
         def write(only) -> None:
-            # the dense state of step - 1 is written before any shard moves to step: waited for on
-            # the write-behind thread, or here before a synchronous write
-            self.recovery.apply(update, step, only, behind=True, durable=self.dense_saver.written())
+            # every row of step - 1 is on its shard (committed above): its dense state becomes the
+            # file before any shard moves to step, on the write-behind thread or here
+            self.recovery.apply(update, step, only, behind=True, durable=self.dense_saver.committer(step - 1))
             if self.injector is not None:
                 self.injector.mid_step(step)
 
@@ -480,7 +477,7 @@ class Trainer:
         """Saves, logging and evaluation after a completed step."""
         step = self.step
         # built only where it is saved, and written once the step's write-behind is on the shards
-        self.dense_saver.save(step, lambda: self.state_dict(step), gate=self.recovery.behind_gate())
+        self.dense_saver.save(step, lambda: self.state_dict(step))
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
@@ -615,7 +612,10 @@ class Trainer:
         out = self.recovery.commit_behind(self.steps)  # the last step's write-behind
         if out.rolled_back:
             return out, None
-        self.dense_saver.wait()
+        commit = self.dense_saver.committer(self.steps)  # every row of the last step is on its shard
+        if commit is not None:
+            commit()
+        self.dense_saver.discard()
         if self.checkpointer is not None:
             self.checkpointer.wait()
         # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's

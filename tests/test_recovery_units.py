@@ -569,36 +569,39 @@ def test_priority_saves_of_later_steps_are_neither_overlaid_nor_kept(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["shard1.bin"]
 
 
-def test_dense_saves_queue_in_order_and_a_refused_one_leaves_the_step_before(tmp_path):
-    """Per-step dense state: saves do not wait for each other, the file holds the last one its gate
-    let through, and what it holds is a copy (training moves the live tensors on)."""
-    from concurrent.futures import Future
-
+def test_a_dense_save_becomes_the_state_only_once_committed_and_a_commit_drops_older_saves(tmp_path):
+    """Per-step dense state: a save is a copy written to a temp file of its step at once; the file
+    holds it only once its step is committed (its rows on the shards). A step never committed (its
+    write failed and a rollback passed it) is dropped by a later commit, and never loaded."""
     from recovery.dense import DenseSaver
 
+    (tmp_path / "dense_latest.pt.9.tmp").write_bytes(b"left by a killed writer")
     saver = DenseSaver(tmp_path, "ns")
+    assert not (tmp_path / "dense_latest.pt.9.tmp").exists()
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     state = {
         "dense": {"model": {"w": w, "b": torch.tensor(1.5)}, "optim": {"state": {0: {"step": torch.tensor(3.0)}}}},
         "run": {"step": 1, "reader": {"position": 1024}, "pair": (1, 2), "ids": torch.arange(3)},
     }
-    ok, failed = Future(), Future()
-    saver.save(1, lambda: state, gate=lambda: not ok.result())
+    saver.save(1, lambda: state)
     w += 10  # the next step trains on: the save of step 1 holds the values it had
-    done = saver.written()
-    ok.set_result({})  # step 1's rows reached every shard
-    done()
+    saver.wait()
+    assert saver.load() is None  # written, not committed: not the dense state yet
+    saver.committer(1)()
     got = saver.load()
     assert got["step"] == 1 and torch.equal(got["dense"]["model"]["w"], torch.arange(6.0).reshape(2, 3))
     assert got["dense"]["model"]["b"].shape == () and float(got["dense"]["model"]["b"]) == 1.5
     assert got["run"]["pair"] == (1, 2) and torch.equal(got["run"]["ids"], torch.arange(3))
     assert float(got["dense"]["optim"]["state"][0]["step"]) == 3.0
-    saver.save(2, lambda: state, gate=lambda: not failed.result())
-    failed.set_result({1: "shard 1 down"})  # step 2's write failed on a shard: its save is refused
+    saver.save(2, lambda: state)  # step 2's rows never all reach their shards: never committed
+    saver.save(3, lambda: state)
+    assert saver.committer(4) is None  # no save of step 4
     saver.wait()
-    assert saver.refused(2) and not saver.refused(1)
-    assert saver.load()["step"] == 1 and not (tmp_path / "dense_latest.pt.tmp").exists()
-    saver.save(2, lambda: state)  # redone once the shard is recovered
-    saver.wait()
+    assert saver.load()["step"] == 1 and (tmp_path / "dense_latest.pt.2.tmp").exists()
+    saver.committer(3)()
     got = saver.load()
-    assert got["step"] == 2 and torch.equal(got["dense"]["model"]["w"], w) and saver.num_saves == 2
+    assert got["step"] == 3 and torch.equal(got["dense"]["model"]["w"], w) and saver.num_saves == 2
+    assert not list(tmp_path.glob("*.tmp")) and saver.committer(2) is None
+    saver.save(4, lambda: state)
+    saver.discard()  # the run ends with step 4 not committed
+    assert saver.load()["step"] == 3 and not list(tmp_path.glob("*.tmp"))
