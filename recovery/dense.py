@@ -11,6 +11,7 @@ at step d and every shard is at d or d + 1 (the latter rolled back by its undo r
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -21,15 +22,24 @@ from pathlib import Path
 import torch
 
 
+def _map(obj, leaf: Callable[[object], bool], fn: Callable):
+    """``obj`` (nested dicts, lists and tuples) with each ``leaf`` replaced by ``fn(leaf)``."""
+    if leaf(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, leaf, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, leaf, fn) for v in obj)
+    return obj
+
+
+def _is_tensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
 def clone_state(obj):
     """A copy of a (nested) state dict's tensors, detached from training."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_state(v) for v in obj)
-    return obj
+    return _map(obj, _is_tensor, lambda t: t.detach().clone())
 
 
 _TENSOR = "__tensor__"  # a packed tensor's place in the layout: (_TENSOR, dtype name, offset, shape)
@@ -42,20 +52,14 @@ def pack(obj) -> dict:
     parts: dict[str, list[torch.Tensor]] = {}
     sizes: dict[str, int] = {}
 
-    def walk(o):
-        if isinstance(o, torch.Tensor):
-            name = str(o.dtype).removeprefix("torch.")
-            at = sizes.get(name, 0)
-            parts.setdefault(name, []).append(o.detach().reshape(-1))
-            sizes[name] = at + o.numel()
-            return (_TENSOR, name, at, tuple(o.shape))
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(v) for v in o)
-        return o
+    def place(t: torch.Tensor) -> tuple:
+        name = str(t.dtype).removeprefix("torch.")
+        at = sizes.get(name, 0)
+        parts.setdefault(name, []).append(t.detach().reshape(-1))
+        sizes[name] = at + t.numel()
+        return (_TENSOR, name, at, tuple(t.shape))
 
-    layout = walk(obj)
+    layout = _map(obj, _is_tensor, place)
     return {"layout": layout, "flat": {name: torch.cat(ts) for name, ts in parts.items()}}
 
 
@@ -63,20 +67,14 @@ def unpack(packed: dict):
     """The state ``pack`` copied: each tensor a view of its flat tensor."""
     flat = packed["flat"]
 
-    def walk(o):
-        if isinstance(o, tuple) and len(o) == 4 and o[0] == _TENSOR:
-            _, name, at, shape = o
-            n = 1
-            for d in shape:
-                n *= d
-            return flat[name][at : at + n].view(shape)
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(walk(v) for v in o)
-        return o
+    def placed(o) -> bool:
+        return isinstance(o, tuple) and len(o) == 4 and o[0] == _TENSOR
 
-    return walk(packed["layout"])
+    def view(o: tuple) -> torch.Tensor:
+        _, name, at, shape = o
+        return flat[name][at : at + math.prod(shape)].view(shape)
+
+    return _map(packed["layout"], placed, view)
 
 
 class DenseSaver:
