@@ -10,9 +10,9 @@ trainer restarts on; the goal configuration, 1 trainer and 2 shards, also with `
 no per-step dense state, what the fused engine never writes). The project's DLRM computes
 torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
 engine with torchrec's stock interaction, as a torchrec user gets it. samples/s counts training
-steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs train ``--steps`` + 10 steps and report
-``summary.json``'s ``throughput_after_warmup_samples_per_s``; the whole run's figure is printed
-beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
+steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs
+train ``--steps`` + 10 steps and report ``summary.json``'s ``throughput_after_warmup_samples_per_s``;
+the whole run's figure is printed beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
 out, waiting, after), over every step.
 The reference is measured first and again last; the ratios are to the fastest fused figure (the
 two plain-loop ones and ``--embeddings local``'s), the strongest peer.
