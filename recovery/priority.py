@@ -19,6 +19,7 @@ the last checkpoint (sparse) to account for exactly that; the count travels in t
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -137,9 +138,11 @@ class SpaceSaving:
             keep.sort()
             self.keys, self.counts = self.keys[keep], self.counts[keep]
 
-    def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """-> (keys, estimated counts) of the (at most) ``k`` most counted keys."""
-        self._merge()
+    def top(self, k: int, merge: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """-> (keys, estimated counts) of the (at most) ``k`` most counted keys (``merge``: the keys
+        added since the last merge first)."""
+        if merge:
+            self._merge()
         if len(self.keys) <= k:
             return self.keys, self.counts
         idx = np.argpartition(-self.counts, k - 1)[:k]
@@ -174,8 +177,10 @@ class MFUTracker:
         for s, c in chunks.items():
             self.sketch[s].merge(c)
 
-    def select(self, shard: int, budget: int) -> list[tuple[int, np.ndarray]]:
-        keys, counts = self.sketch[shard].top(budget)
+    def select(self, shard: int, budget: int, merge: bool = True) -> list[tuple[int, np.ndarray]]:
+        """The shard's ``budget`` most counted rows as [(table, sorted ids)]. ``merge=False``: from the
+        keys merged so far alone (on the merging thread, while the training thread adds more)."""
+        keys, counts = self.sketch[shard].top(budget, merge)
         return _top(keys, counts, budget)
 
 
@@ -232,6 +237,7 @@ class PrioritySaver(ShardRowsSaver):
         self.saved_rows: dict[int, list[tuple[int, np.ndarray]]] = {}  # shard -> [(table, ids)] of the newest save
         self.saved_step: dict[int, int] = {}  # shard -> the step of the newest save
         self.num_saves = 0
+        self._prepared: Future | None = None  # the next save's rows, being picked on the writer thread
 
     MERGE_EVERY = 1 << 18  # observed keys handed to the writer thread to merge (bounds memory)
 
@@ -249,6 +255,27 @@ class PrioritySaver(ShardRowsSaver):
             pending = self.tracker.take()
             self.writer.run(lambda: self.tracker.merge(pending))
 
+    def prepare(self) -> None:
+        """Work out the next save's rows on the writer thread, a step or more before ``save``: the
+        keys observed so far merged into the tracker, each shard's top rows picked and grouped. The
+        save then only copies them; the rows picked are those counted up to this call."""
+        pending = self.tracker.take()
+        self._prepared = self.writer.run(lambda: self._select(pending))
+
+    def _select(self, pending: dict[int, list[np.ndarray]] | None = None) -> tuple:
+        if pending is not None:
+            self.tracker.merge(pending)
+        sel = {
+            s: {t: ids for t, ids in self.tracker.select(s, self.budget, merge=pending is None) if len(ids)}
+            for s in sorted(self.shards)
+        }
+        tables = sorted({t for per in sel.values() for t in per})
+        # one gather of every shard's and table's rows (held rows), then each shard's part of it
+        keys, order = rowkeys.from_tables(
+            {t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables}
+        )
+        return sel, tables, keys, order
+
     def on_checkpoint(self, step: int) -> None:
         self.counts.take()  # counted before the checkpoint: it holds them
         self.writer.run(self.counts.reset)
@@ -257,15 +284,14 @@ class PrioritySaver(ShardRowsSaver):
         """Copy this writer's shards' selected rows as of now (at a step boundary) and hand them to
         the background writer; -> rows saved. Rows read here come from the held rows (a shard
         restored since is read from Redis)."""
-        self.writer.wait()  # the previous save is on disk (normally long since)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:  # picked by ``prepare`` on the writer thread, after the previous save's write
+            sel, tables, keys, order = prepared.result()
+        else:  # not prepared: picked here, once the writer is idle (the previous save is on disk)
+            self.writer.wait()
+            sel, tables, keys, order = self._select()
         total = 0
         dims = [spec.dim for spec in self.store.tables.specs]
-        sel = {s: {t: ids for t, ids in self.tracker.select(s, self.budget) if len(ids)} for s in sorted(self.shards)}
-        tables = sorted({t for per in sel.values() for t in per})
-        # one gather of every shard's and table's rows (held rows), then each shard's part of it
-        keys, order = rowkeys.from_tables(
-            {t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables}
-        )
         held = self.store.read_keys(keys)  # [n, width], in key order: the pause
         chunks = self.counts.take()
 

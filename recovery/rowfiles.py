@@ -98,10 +98,11 @@ class RowFileWriter:
         self.files = 0
         self.seconds = 0.0  # background time: encoding, writing, fsync
 
-    def run(self, work) -> None:
-        """Run ``work()`` on the writer's thread (after what was handed over before it)."""
+    def run(self, work) -> Future:
+        """Run ``work()`` on the writer's thread (after what was handed over before it); -> its future."""
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(self._pool.submit(work))
+        return self._pending[-1]
 
     def write(self, path: Path, step: int, updates: int, groups, dims: list[int], half: bool = False) -> None:
         """Encode and write one rows file durably (on the writer's thread: call it from ``run``)."""

@@ -47,6 +47,7 @@ from recovery.strategy import Strategy
 from recsys.config import ConfigError
 
 STRATEGIES = ("none", *(s.value for s in Strategy))
+PRIORITY_STRATEGIES = ("partial-mfu", "partial-ssu")
 
 
 def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> list[str]:
@@ -101,7 +102,12 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
             "recovery": strategy,
             "checkpoint_every": checkpoint_every or args.checkpoint_every,
             "inject": injections,
-            "priority_budget": args.priority_budget,
+            # set only where they are used, so that --reuse still finds the other strategies' runs
+            **(
+                {"priority_budget": args.priority_budget, "priority_every": args.priority_every}
+                if strategy in PRIORITY_STRATEGIES
+                else {}
+            ),
             "priority_half": getattr(args, "priority_half", False),
             "keep_checkpoints": 2,
             "max_restarts": 0,  # shard failures only: no per-step dense saves in the comparison
@@ -256,6 +262,10 @@ def bench_sweep(args) -> list[dict]:
     # one failure draw per --draws (the same for every strategy and interval)
     if args.draws < 1:
         raise ConfigError(f"--draws {args.draws}: must be >= 1")
+    if not 0 < args.target_pls < 1:
+        raise ConfigError(f"--target-pls {args.target_pls:g}: must be in (0, 1)")
+    if not args.mtbf > 0:
+        raise ConfigError(f"--mtbf {args.mtbf:g}: must be > 0 steps")
     schedules = [mtbf_schedule(args.steps, args.mtbf, args.shards, args.seed + 1000 * d) for d in range(args.draws)]
     if not any(schedules):
         raise ConfigError(f"--mtbf {args.mtbf:g}: no failure drawn in {args.steps} steps; lower it or add --steps")
@@ -609,6 +619,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-samples", type=int, default=32_768, help="held-out samples for the final AUC")
     ap.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint interval in steps")
     ap.add_argument("--priority-budget", type=int, default=2000, help="partial-mfu/ssu rows per shard per save")
+    ap.add_argument(
+        "--priority-every",
+        type=int,
+        default=0,
+        help="partial-mfu/ssu: steps between priority saves (0: a quarter of the checkpoint interval)",
+    )
     ap.add_argument(
         "--priority-half",
         action="store_true",

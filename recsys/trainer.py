@@ -492,6 +492,8 @@ class Trainer:
             self.priority_save(step)
         elif self.schedule.flush_due(step):
             self.flush(step)
+        if self.schedule.priority_due(step + 1):  # its rows are picked off the path, a step ahead
+            self.recovery.priority.prepare()
         if out.rolled_back:
             return out
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:

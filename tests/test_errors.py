@@ -146,3 +146,23 @@ def test_a_stalled_shard_given_only_by_url_is_recovered_once_it_answers(tmp_path
         (f,) = s["failures"]
         assert f["target"] == 1 and f["kind"] == "stall" and f["recovery_s"] > 0
         assert s["steps_completed"] == 5 and sh.is_alive(1)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--target-pls", "1"], "--target-pls 1: must be in (0, 1)"),
+        (["--mtbf", "0"], "--mtbf 0: must be > 0 steps"),
+        (["--draws", "0"], "--draws 0: must be >= 1"),
+    ],
+)
+def test_a_bad_sweep_flag_is_named_before_any_run(tmp_path, flags, named):
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "bench-recovery", "--sweep", "--out", str(tmp_path / "sweep"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert named in one_error_line(proc)
+    assert not (tmp_path / "sweep" / "none-0").exists()

@@ -502,6 +502,45 @@ def test_mfu_sketch_finds_the_true_top_rows_of_a_zipf_stream():
     assert np.all(counts >= true[keys]) and np.all(counts - true[keys] <= sketch.floor)
 
 
+def test_a_prepared_priority_save_picks_its_rows_on_the_writer_thread_and_saves_what_a_direct_one_does(rig, tmp_path):
+    import threading
+
+    from embeddings import rowkeys
+    from recovery.priority import MFUTracker, PrioritySaver
+
+    sh, store, _, _ = rig
+    rng = np.random.default_rng(8)
+    savers = [PrioritySaver(tmp_path / f"p{i}", store, MFUTracker(store, 64), 40) for i in range(2)]
+    for _ in range(30):  # Zipf-skewed updates of every table, the same stream for both savers
+        keys = np.unique(
+            np.concatenate(
+                [
+                    rowkeys.pack(t, np.minimum(rng.zipf(1.3, 80) - 1, spec.num_rows - 1))
+                    for t, spec in enumerate(TABLES.specs)
+                ]
+            )
+        )
+        for sv in savers:
+            sv.observe(keys, store.shard_map.shard_of_keys(keys))
+    threads = []
+    select = savers[0]._select
+    savers[0]._select = lambda *a: (threads.append(threading.current_thread().name), select(*a))[1]
+    savers[0].prepare()  # a step ahead of the save: merged and picked on the writer thread
+    assert savers[0].save(5) == savers[1].save(5) == 40 * len(savers[1].saved_rows) > 0
+    assert threads and all(name.startswith("priority") for name in threads)
+    for s, rows in savers[1].saved_rows.items():
+        mine = savers[0].saved_rows[s]
+        assert [t for t, _ in mine] == [t for t, _ in rows]
+        for (_, a), (_, b) in zip(mine, rows):
+            np.testing.assert_array_equal(a, b)
+    for sv in savers:
+        sv.wait()
+    for f in sorted((tmp_path / "p1").glob("shard*.bin")):
+        assert (tmp_path / "p0" / f.name).read_bytes() == f.read_bytes()
+    for sv in savers:
+        sv.close()
+
+
 def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_last_flush(rig, namespace, tmp_path):
     from recovery.incremental import Flusher
 
