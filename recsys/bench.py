@@ -104,7 +104,13 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
             "inject": injections,
             # set only where they are used, so that --reuse still finds the other strategies' runs
             **(
-                {"priority_budget": args.priority_budget, "priority_every": args.priority_every}
+                {
+                    "priority_budget": args.priority_budget,
+                    "priority_every": args.priority_every,
+                    # the trackers count at least the rows a save takes
+                    "mfu_capacity": max(8192, args.priority_budget),
+                    "ssu_capacity": max(8192, args.priority_budget),
+                }
                 if strategy in PRIORITY_STRATEGIES
                 else {}
             ),

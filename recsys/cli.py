@@ -106,6 +106,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--priority-budget": ("recovery", "priority_budget", int, "partial-mfu/ssu: rows per shard per priority save"),
     "--ssu-fraction": ("recovery", "ssu_fraction", float, "partial-ssu: fraction of updated rows tracked"),
     "--mfu-capacity": ("recovery", "mfu_capacity", int, "partial-mfu: rows counted per shard by the sketch"),
+    "--ssu-capacity": ("recovery", "ssu_capacity", int, "partial-ssu: sampled rows counted per shard"),
     "--flush-every": (
         "recovery",
         "flush_every",

@@ -296,6 +296,14 @@ class RecoveryConfig:
         _check(self.flush_every >= 0, "flush_every", self.flush_every, "must be >= 0")
         if strategy.priority_saves:
             _check(bool(self.checkpoint_every), "recovery", self.recovery, "priority saves need --checkpoint-every")
+            cap_name = "mfu_capacity" if self.recovery == "partial-mfu" else "ssu_capacity"
+            cap = getattr(self, cap_name)
+            _check(
+                self.priority_budget <= cap,
+                "priority_budget",
+                self.priority_budget,
+                f"more rows than the {cap_name} ({cap}) the tracker counts per shard; raise --{cap_name.replace('_', '-')}",
+            )
         if strategy.flushes:
             _check(
                 bool(self.checkpoint_every), "recovery", self.recovery, "incremental flushes need --checkpoint-every"

@@ -475,6 +475,16 @@ def test_injection_specs_at_moments_phases_and_nodes():
         parse_injection("shard:0@during=lunch")
 
 
+def test_a_priority_budget_beyond_the_trackers_capacity_is_refused_by_name():
+    from recsys.config import ConfigError, RecoveryConfig
+
+    with pytest.raises(ConfigError, match=r"priority_budget=9000: .*mfu_capacity \(8192\).*--mfu-capacity"):
+        RecoveryConfig(recovery="partial-mfu", checkpoint_every=10, priority_budget=9000)
+    with pytest.raises(ConfigError, match=r"priority_budget=200: .*ssu_capacity \(100\).*--ssu-capacity"):
+        RecoveryConfig(recovery="partial-ssu", checkpoint_every=10, priority_budget=200, ssu_capacity=100)
+    assert RecoveryConfig(recovery="partial-mfu", checkpoint_every=10, priority_budget=9000, mfu_capacity=9000)
+
+
 def test_trainer_and_node_failures_without_restarts_are_refused_by_name():
     from recsys.config import ConfigError, RecoveryConfig
 
