@@ -92,6 +92,13 @@ class HeldRows:
         self.hits += len(pos)
         return pos, self._rows[at[pos]], np.flatnonzero(known == ABSENT)
 
+    def gather(self, at: np.ndarray) -> np.ndarray | None:
+        """Rows at flat positions ``at`` (from ``flat``), when every one of them is held; else None."""
+        if not len(at) or at.min() < 0 or not bool(np.all(self._state[at] == HELD)):
+            return None
+        self.hits += len(at)
+        return np.take(self._rows, at, axis=0)  # a quarter of the time of rows[at]
+
     def lookup(self, table: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """-> (positions of ``ids`` held here, their rows, positions known never written), or None
         when the table is not held."""

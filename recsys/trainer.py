@@ -254,6 +254,9 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     return manager, ckpt, injector
 
 
+PREPARE_AHEAD = 4  # steps between picking a priority save's rows (on its writer thread) and the save
+
+
 def torch_threads(cfg: RunConfig, world_size: int) -> int:
     """``--threads``, or the host's cores left after its local Redis servers, split over the trainers."""
     if cfg.train.threads:
@@ -492,7 +495,9 @@ class Trainer:
             self.priority_save(step)
         elif self.schedule.flush_due(step):
             self.flush(step)
-        if self.schedule.priority_due(step + 1):  # its rows are picked off the path, a step ahead
+        # the next priority save's rows are picked off the path, a few steps ahead
+        ahead = min(PREPARE_AHEAD, self.schedule.priority_every - 1)
+        if ahead and self.schedule.priority_due(step + ahead):
             self.recovery.priority.prepare()
         if out.rolled_back:
             return out
