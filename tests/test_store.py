@@ -236,3 +236,19 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
     assert (state[early] == HELD).all() and (state[late] == ABSENT).all() and (state[both] == UNKNOWN).all()
     assert (state[60:70] == HELD).all() and (state[70:] == ABSENT).all()
     assert set(held.unknown(0)[0].tolist()) == set(both.tolist()) and held.restored(0, 4, 5) == (0, 0)
+
+
+def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
+    from embeddings.held import put_rows
+
+    rng = np.random.default_rng(2)
+    dst = rng.standard_normal((1000, 17)).astype(np.float32)
+    ref = dst.copy()
+    at = np.sort(rng.choice(1000, 300, replace=False))
+    src = rng.standard_normal((300, 34)).astype(np.float32)[:, ::2]  # not contiguous: copied first
+    put_rows(dst, at, src)
+    ref[at] = src
+    np.testing.assert_array_equal(dst, ref)
+    put_rows(dst, at[:5], np.ones((5, 17), np.float64))  # another dtype: converted
+    ref[at[:5]] = 1.0
+    np.testing.assert_array_equal(dst, ref)
