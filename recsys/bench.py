@@ -275,21 +275,22 @@ def bench_sweep(args) -> list[dict]:
     schedules = [mtbf_schedule(args.steps, args.mtbf, args.shards, args.seed + 1000 * d) for d in range(args.draws)]
     if not any(schedules):
         raise ConfigError(f"--mtbf {args.mtbf:g}: no failure drawn in {args.steps} steps; lower it or add --steps")
-    strategies = [s.strip() for s in args.sweep_strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGIES or s in ("none", "replica")]
-    if bad:
-        raise ConfigError(
-            f"--sweep-strategies {args.sweep_strategies!r}: {bad} cannot be swept (strategies with checkpoints only)"
-        )
-    try:
-        intervals = sorted({int(x) for x in args.intervals.split(",") if x.strip()})
-    except ValueError:
-        raise ConfigError(f"--intervals {args.intervals!r}: must be comma-separated step counts") from None
-    if not intervals or min(intervals) <= 0:
-        raise ConfigError(f"--intervals {args.intervals!r}: must be step counts > 0")
+    intervals = _step_counts(args.intervals, "--intervals", ",")
     planned = plan_interval(args.mtbf, args.target_pls, args.shards, 0.0, max_interval=args.steps).interval
-    intervals = sorted({*intervals, planned})
-    runs = [("none", 0, 0)] + [(s, k, d) for d in range(args.draws) for s in strategies for k in intervals]
+    # STRATEGY (every interval of --intervals and the planner's) or STRATEGY@K1:K2 (those intervals)
+    per_strategy = {}
+    for item in (x.strip() for x in args.sweep_strategies.split(",") if x.strip()):
+        strategy, _, own = item.partition("@")
+        if strategy not in STRATEGIES or strategy in ("none", "replica"):
+            raise ConfigError(
+                f"--sweep-strategies {args.sweep_strategies!r}: {strategy!r} cannot be swept (strategies with checkpoints only)"
+            )
+        per_strategy[strategy] = (
+            _step_counts(own, f"--sweep-strategies {item!r}", ":") if own else [*intervals, planned]
+        )
+    runs = [("none", 0, 0)] + [
+        (s, k, d) for d in range(args.draws) for s, ks in per_strategy.items() for k in sorted(set(ks))
+    ]
     summaries = {}
     for strategy, k, d in tqdm(runs, desc="sweep", unit="run"):
         name = f"{strategy}-{k}" + (f"-draw{d}" if args.draws > 1 else "")
@@ -331,6 +332,16 @@ def bench_sweep(args) -> list[dict]:
     plot_sweep(rows, out / "sweep_pareto.png", title)
     print("\n".join(md))
     return rows
+
+
+def _step_counts(text: str, where: str, sep: str) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in text.split(sep) if x.strip()})
+    except ValueError:
+        raise ConfigError(f"{where}: {text!r} must be {sep!r}-separated step counts") from None
+    if not ks or min(ks) <= 0:
+        raise ConfigError(f"{where}: {text!r} must be step counts > 0")
+    return ks
 
 
 def per_interval(rows: list[dict]) -> list[dict]:
@@ -661,7 +672,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--sweep-strategies",
         default="full,partial,partial-mfu,partial-ssu,incremental,log",
-        help="--sweep: comma-separated strategies",
+        help="--sweep: comma-separated strategies, each at every interval of --intervals and the planner's, "
+        "or STRATEGY@K1:K2 at those intervals alone",
     )
     ap.add_argument(
         "--target-pls", type=float, default=0.02, help="--sweep: the planner's target PLS (its interval is marked)"

@@ -154,6 +154,8 @@ def test_a_stalled_shard_given_only_by_url_is_recovered_once_it_answers(tmp_path
         (["--target-pls", "1"], "--target-pls 1: must be in (0, 1)"),
         (["--mtbf", "0"], "--mtbf 0: must be > 0 steps"),
         (["--draws", "0"], "--draws 0: must be >= 1"),
+        (["--sweep-strategies", "partial@100:x"], "--sweep-strategies 'partial@100:x': '100:x' must be"),
+        (["--sweep-strategies", "partial,none"], "'none' cannot be swept"),
     ],
 )
 def test_a_bad_sweep_flag_is_named_before_any_run(tmp_path, flags, named):
