@@ -47,7 +47,6 @@ from recovery.strategy import Strategy
 from recsys.config import ConfigError
 
 STRATEGIES = ("none", *(s.value for s in Strategy))
-PRIORITY_STRATEGIES = ("partial-mfu", "partial-ssu")
 
 
 def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> list[str]:
@@ -111,7 +110,7 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
                     "mfu_capacity": max(8192, args.priority_budget),
                     "ssu_capacity": max(8192, args.priority_budget),
                 }
-                if strategy in PRIORITY_STRATEGIES
+                if Strategy(strategy).priority_saves
                 else {}
             ),
             "priority_half": getattr(args, "priority_half", False),
