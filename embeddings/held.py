@@ -11,7 +11,10 @@ a restore, rollback or reconnect of a shard forgets that shard's rows (``clear(s
 reads go to Redis again; the other shards' rows stay. A restore that brought the shard back to
 exactly what its writer wrote (a log replay) holds them again (``reinstate``); a restore to an
 earlier step holds again the rows last written before that step, and knows the rows first written
-after it as never written (``restored``), so only the rest are read back.
+after it as never written (``restored``), so only the rest are read back. With ``init`` (the lazy
+init of packed keys), a row known never written holds its initial value from the moment it is known
+so, as an engine that allocates its tables initialises them: a batch of held and never-written
+rows is one gather (``read_keys``).
 
 Tables that would not fit ``budget_bytes`` (with those before them), or whose row width differs
 from the first table's, are not held.
@@ -41,10 +44,14 @@ NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never a
 
 
 class HeldRows:
-    def __init__(self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int, owner_of=None) -> None:
+    def __init__(
+        self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int, owner_of=None, init=None
+    ) -> None:
         """``owner_of(table, ids)``: the shard of each row (``ShardMap.shard_of``), so that a shard's
-        rows can be forgotten alone; without it ``clear`` forgets every row."""
+        rows can be forgotten alone; without it ``clear`` forgets every row. ``init(keys)``: the
+        initial rows [n, width] of packed keys (lazy-init weights, zero optimizer state)."""
         self.shards = set(shards)
+        self._init = init
         # one flat [rows, width] array for every held table (one gather serves a whole batch); table t
         # starts at _base[t], or is not held (-1): over the budget, or a row width unlike the first's
         self.width = widths[0]
@@ -56,6 +63,8 @@ class HeldRows:
             self._base[t] = total
             total += spec.num_rows
         self._num_rows = [spec.num_rows for spec in tables.specs]
+        held = np.flatnonzero(self._base >= 0)
+        self._held_tables, self._held_bases = held, self._base[held]  # flat position -> table
         # every page is touched now, as an engine that allocates its tables does: left to the first
         # write of each row, a step that writes thousands of new rows faults in a page for each
         self._rows = np.empty((total, self.width), np.float32)
@@ -101,6 +110,31 @@ class HeldRows:
         pos = np.flatnonzero(known == HELD)
         self.hits += len(pos)
         return pos, np.take(self._rows, at if len(pos) == len(at) else at[pos], axis=0), np.flatnonzero(known == ABSENT)
+
+    def read_keys(self, keys: np.ndarray) -> np.ndarray | None:
+        """Rows [n, width] of packed keys by one gather, when every one is held or known never written
+        (whose held value is then its initial one); None when any is not, or without ``init``."""
+        if self._init is None or not len(keys):
+            return None
+        at = self.flat(keys)
+        if at is None or at.min() < 0 or bool((self._state[at] == UNKNOWN).any()):
+            return None
+        self.hits += len(at)
+        return np.take(self._rows, at, axis=0)
+
+    def _keys_at(self, at: np.ndarray) -> np.ndarray:
+        """Packed row keys of flat positions."""
+        i = np.searchsorted(self._held_bases, at, side="right") - 1
+        return rowkeys.pack(0, at - self._held_bases[i]) | (self._held_tables[i] << rowkeys.ROW_BITS)
+
+    def _set_absent(self, at: np.ndarray, chunk: int = 1 << 20) -> None:
+        """Rows at flat positions ``at`` are known never written: with ``init``, they hold their
+        initial values from now (under ``_lock``)."""
+        self._state[at] = ABSENT
+        if self._init is not None:
+            for lo in range(0, len(at), chunk):
+                part = at[lo : lo + chunk]
+                put_rows(self._rows, part, self._init(self._keys_at(part)))
 
     def gather(self, at: np.ndarray) -> np.ndarray | None:
         """Rows at flat positions ``at`` (from ``flat``), when every one of them is held; else None."""
@@ -166,14 +200,16 @@ class HeldRows:
             if rows is not None:
                 self._rows[at[new]] = rows[new]
                 self._first[at[new]], self._last[at[new]] = -1, NEVER  # read: its writes' steps unknown
-            self._state[at[new]] = ABSENT if rows is None else HELD
+                self._state[at[new]] = HELD
+            else:
+                self._set_absent(at[new])
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written (a fresh run's own rows): reads of them need not go to Redis."""
         if self.holds(table):
             with self._lock:
                 self.version += 1
-                self._state[self._base[table] + np.asarray(ids, np.int64)] = ABSENT
+                self._set_absent(self._base[table] + np.asarray(ids, np.int64))
 
     def clear(self, shard: int | None = None) -> None:
         """Forget the rows of ``shard`` (None: of every shard); a read begun before learns nothing.
@@ -236,7 +272,7 @@ class HeldRows:
                 kept = pos[(last <= kept_upto) | (on_top & (last <= step))]
                 gone = pos[(first > kept_upto) & ~on_top]
             self._state[kept] = HELD
-            self._state[gone] = ABSENT
+            self._set_absent(gone)
             return len(kept), len(gone)
 
     def _take_forgotten(self, shard: int) -> np.ndarray:

@@ -284,6 +284,10 @@ class RedisStore(StoreBase):
         if last is not None and last[0] == self.held.version and (last[1] is keys or np.array_equal(last[1], keys)):
             return last[2]  # a step's update reads the rows its stage read, unchanged since: no second gather
         version = self.held.version
+        rows = self.held.read_keys(keys)  # every row held or never written (the usual step): one gather
+        if rows is not None:
+            self._last_held_read = (version, keys, rows)
+            return rows
         t0 = int(keys[0] >> rowkeys.ROW_BITS)
         pos, rows, absent = self.held.lookup_keys(keys)
         if len(pos) == len(keys):  # every row held (the usual step): the gather is the answer
@@ -443,7 +447,15 @@ class RedisStore(StoreBase):
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
         """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
         widths = [self.width(t) for t in range(len(self.tables.specs))]
-        self.held = HeldRows(self.tables, widths, shards, budget_bytes, owner_of=self.shard_map.shard_of)
+        state = self.optimizer.state_width
+
+        def init(keys: np.ndarray) -> np.ndarray:  # held tables share one row width, hence one dim
+            dim = self.width(int(keys[0] >> rowkeys.ROW_BITS)) - state
+            rows = np.zeros((len(keys), dim + state), np.float32)
+            rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
+            return rows
+
+        self.held = HeldRows(self.tables, widths, shards, budget_bytes, owner_of=self.shard_map.shard_of, init=init)
         return self.held
 
     def assume_fresh(self) -> None:

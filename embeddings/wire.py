@@ -56,6 +56,11 @@ def value_args(rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def _items(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Columns ``lo:hi`` of a C-contiguous ``[n, stride]`` uint8 array as ``n`` items of ``hi - lo`` bytes."""
+    return a[:, lo:hi].view(f"V{hi - lo}").reshape(-1)
+
+
 def encode_command(args: list[bytes]) -> bytes:
     """A RESP command from a few byte-string arguments."""
     out = [b"*%d\r\n" % len(args)]
@@ -262,11 +267,35 @@ class RowConnection:
 
     @staticmethod
     def _row_commands(groups) -> list[bytes]:
+        """MSET commands of ``CHUNK`` rows for every group (key prefix, ids, rows): the groups whose
+        prefixes have one length are encoded together into one ``[n, key + value]`` array (each
+        row's key head picked from a table of the prefixes), so a write of many tables costs a few
+        numpy calls rather than a few per table."""
         parts = []
-        for prefix, ids, rows in groups:
-            args = np.concatenate([key_args(prefix, ids), value_args(rows)], axis=1)
-            for lo in range(0, len(ids), CHUNK):
-                a = args[lo : lo + CHUNK]
+        by_length: dict[int, list[tuple[bytes, np.ndarray, np.ndarray]]] = {}
+        for g in groups:
+            if len(g[1]):
+                by_length.setdefault(len(g[0]), []).append(g)
+        for plen, gs in by_length.items():
+            heads = np.stack([np.frombuffer(b"$%d\r\n" % (plen + 8) + p, np.uint8) for p, _, _ in gs])
+            ids = gs[0][1] if len(gs) == 1 else np.concatenate([ids for _, ids, _ in gs])
+            rows = gs[0][2] if len(gs) == 1 else np.concatenate([r for _, _, r in gs])
+            raw = np.ascontiguousarray(rows, dtype="<f4").view(np.uint8).reshape(len(rows), -1)
+            vhead = np.frombuffer(b"$%d\r\n" % raw.shape[1], np.uint8)
+            hl, ks, vh = heads.shape[1], heads.shape[1] + 10, len(vhead)
+            out = np.empty((len(ids), ks + vh + raw.shape[1] + 2), np.uint8)
+            # each multi-byte part moved as one item per row (void views), not byte by byte
+            head = heads.view(f"V{hl}").reshape(-1)
+            if len(gs) > 1:
+                head = head[np.repeat(np.arange(len(gs)), [len(i) for _, i, _ in gs])]
+            _items(out, 0, hl)[:] = head
+            _items(out, hl, hl + 8)[:] = np.ascontiguousarray(ids, dtype=">u8").view("V8").reshape(-1)
+            between = b"\r\n" + vhead.tobytes()  # the key's end and the value's head
+            _items(out, hl + 8, ks + vh)[:] = np.frombuffer(between, f"V{len(between)}")[0]
+            _items(out, ks + vh, out.shape[1] - 2)[:] = raw.view(f"V{raw.shape[1]}").reshape(-1)
+            _items(out, out.shape[1] - 2, out.shape[1])[:] = np.frombuffer(b"\r\n", "V2")[0]
+            for lo in range(0, len(out), CHUNK):
+                a = out[lo : lo + CHUNK]
                 parts.append(_command(b"MSET", 2 * len(a), a))
         return parts
 

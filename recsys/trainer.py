@@ -102,12 +102,27 @@ def collective(world_size: int) -> Collective:
     return Collective(world_size, dist.barrier, max_flags, broadcast_int, sum_floats)
 
 
+def thread_sched() -> tuple[float, float, float] | None:
+    """(wall clock, seconds on a CPU, seconds runnable but waiting for a CPU) of the calling thread,
+    from Linux's ``/proc/thread-self/schedstat``; None where there is none."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, runnable = f.read().split()[:2]
+        return time.perf_counter(), int(on_cpu) / 1e9, int(runnable) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class StepClock:
-    """Where a step's time goes: seconds per part (rows in, data, compute, rows out, waiting), summed."""
+    """Where a step's time goes: seconds per part (rows in, data, compute, rows out, waiting), summed.
+    And how the training thread spent the steps after the warm-up (``marks``): on a CPU, runnable but
+    waiting for one (the host's other threads and processes had the cores), or neither (waiting
+    for a write, a lock, the GIL)."""
 
     def __init__(self) -> None:
         self.parts: dict[str, float] = {}
         self._t = 0.0
+        self.marks: list[tuple[int, tuple[float, float, float] | None]] = []  # (step, thread_sched())
 
     def start(self, t: float) -> None:
         self._t = t
@@ -119,6 +134,26 @@ class StepClock:
 
     def per_step_ms(self, steps: int) -> dict[str, float]:
         return {k: round(1000 * v / max(1, steps), 2) for k, v in self.parts.items()}
+
+    def mark(self, step: int) -> None:
+        """The training thread's scheduler times as of the end of ``step``."""
+        self.marks.append((step, thread_sched()))
+
+    def thread_ms(self) -> dict[str, float] | None:
+        """Per step between the first and the last mark: the training thread's wall time, time on a
+        CPU, runnable but off one, and the rest (blocked). None without two marks (or schedstat)."""
+        if len(self.marks) < 2 or self.marks[0][1] is None or self.marks[-1][1] is None:
+            return None
+        (s0, a), (s1, b) = self.marks[0], self.marks[-1]
+        if s1 <= s0:
+            return None
+        wall, cpu, runq = ((y - x) * 1000 / (s1 - s0) for x, y in zip(a, b))
+        return {
+            "wall": round(wall, 2),
+            "on_cpu": round(cpu, 2),
+            "runnable": round(runq, 2),
+            "blocked": round(max(0.0, wall - cpu - runq), 2),
+        }
 
 
 class Schedule:
@@ -395,6 +430,7 @@ class Trainer:
                         self.show_progress(bar)
                         if self.step - self._first_step + 1 == WARMUP_STEPS:
                             self._warm = (self.step, time.perf_counter())
+                            self.clock.mark(self.step)
                         self.step += 1
                         batch = nxt
                         continue
@@ -616,6 +652,7 @@ class Trainer:
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
+        self.clock.mark(self.steps)
         out = self.recovery.commit_behind(self.steps)  # the last step's write-behind
         if out.rolled_back:
             return out, None
@@ -738,6 +775,8 @@ class Trainer:
             "flush_pause_s": round(sum(self.flush_pauses), 4),
             "flush_bytes": int(totals[3]),
             "step_ms": self.clock.per_step_ms(steps),
+            # after the warm-up: the training thread on a CPU, runnable but off one, blocked
+            "training_thread_ms": self.clock.thread_ms(),
             "dense_saves": self.dense_saver.num_saves,
             "dense_save_seconds": round(self.dense_saver.seconds, 4),
             **self.backend.stats(),

@@ -13,7 +13,9 @@ engine with torchrec's stock interaction, as a torchrec user gets it. samples/s 
 steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs
 train ``--steps`` + 10 steps and report ``summary.json``'s ``throughput_after_warmup_samples_per_s``;
 the whole run's figure is printed beside it. The step-time columns are ``summary.json``'s ``step_ms`` (rows in, data, compute, rows
-out, waiting, after), over every step.
+out, waiting, after), over every step; the training-thread column is its ``training_thread_ms`` after the
+warm-up (Linux schedstat): on a CPU, runnable but off one (the host's other threads and processes had
+the cores), blocked (a wait for a write, a lock, the GIL).
 The reference is measured first and again last; the ratios are to the fastest fused figure (the
 two plain-loop ones and ``--embeddings local``'s), the strongest peer.
 
@@ -55,6 +57,12 @@ from recsys.trainer import WARMUP_STEPS  # noqa: E402
 def tput(summary: dict) -> float:
     """A run's samples/s after its warm-up steps, as the reference is timed."""
     return summary["throughput_after_warmup_samples_per_s"] or summary["throughput_samples_per_s"]
+
+
+def step_parts(summary: dict) -> dict:
+    """``summary.json``'s step-time parts, and the training thread's time on a CPU, runnable but off
+    one, and blocked (ms per step after the warm-up)."""
+    return {**summary["step_ms"], **(summary.get("training_thread_ms") or {})}
 
 
 def config(
@@ -205,7 +213,7 @@ def main() -> None:
         stock = fused_samples_per_s(args, stock=True)
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
         rows.append(
-            ("--embeddings local (fused)", 1, 1, "-", tput(base), base["step_ms"], base["throughput_samples_per_s"])
+            ("--embeddings local (fused)", 1, 1, "-", tput(base), step_parts(base), base["throughput_samples_per_s"])
         )
         for w in trainer_counts:
             for s in shard_counts:
@@ -216,7 +224,7 @@ def main() -> None:
                     rows.append(
                         (
                             "redis tier",
-                            *(s, w, label, tput(summary), summary["step_ms"], summary["throughput_samples_per_s"]),
+                            *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                         )
                     )
                     if (s, w, prefetch) == (2, 1, False):  # what the per-step dense save for restarts costs
@@ -226,7 +234,7 @@ def main() -> None:
                         rows.append(
                             (
                                 "redis tier, --max-restarts 0",
-                                *(s, w, label, tput(summary), summary["step_ms"], summary["throughput_samples_per_s"]),
+                                *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                             )
                         )
         # the reference again after the others: the machine is shared, and its figure moves most; the
@@ -236,41 +244,48 @@ def main() -> None:
         )
         rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
         swept = sweep(args, Path(tmp)) if args.sweep else []
-        pairs = []
+        pairs, threads = [], []
         for i in range(args.pairs):
             measures = [
                 lambda: fused_samples_per_s(args),
                 lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
-                lambda i=i: tput(run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1))),
+                lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
             ]
             order = range(3) if i % 2 == 0 else range(2, -1, -1)
             got = {k: measures[k]() for k in order}
-            pairs.append((got[0], got[1], got[2]))
+            pairs.append((got[0], got[1], tput(got[2])))
+            threads.append(got[2].get("training_thread_ms") or {})
     ref = max(rows[0][4], rows[1][4], rows[2][4])  # the plain loop twice, and --embeddings local
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
         f"optimizer={args.optimizer} data={args.data}\n"
     )
-    parts = ["rows_in", "data", "compute", "rows_out", "waiting", "after"]
+    parts = ["rows_in", "data", "compute", "rows_out", "waiting", "after", "on_cpu", "runnable", "blocked"]
     print(
         "| engine | shards | trainers | prefetch | samples/s | x fused | whole run samples/s | "
-        + " | ".join(parts)
+        + " | ".join(parts[:6])
+        + " (ms/step) | training thread "
+        + " / ".join(parts[6:])
         + " (ms/step) |"
     )
-    print("|---" * (7 + len(parts)) + "|")
+    print("|---" * (8 + len(parts[:6])) + "|")
     for name, s, w, p, rate, ms, whole in rows:
-        cells = " | ".join(str(ms.get(k, "")) for k in parts)
+        cells = " | ".join(str(ms.get(k, "")) for k in parts[:6])
+        cells += " | " + (" / ".join(str(ms[k]) for k in parts[6:]) if "on_cpu" in ms else "")
         whole = f"{whole:,.0f}" if whole is not None else ""
         print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
     if pairs:
         print(
-            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) |"
+            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) "
+            "| tier's training thread on_cpu / runnable / blocked (ms/step) |"
         )
-        print("|---|---|---|---|---|---|")
-        for i, (plain, local, tier) in enumerate(pairs):
+        print("|---|---|---|---|---|---|---|")
+        for i, ((plain, local, tier), th) in enumerate(zip(pairs, threads)):
             order = "plain, loop, tier" if i % 2 == 0 else "tier, loop, plain"
+            split = " / ".join(str(th[k]) for k in ("on_cpu", "runnable", "blocked")) if th else ""
             print(
-                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / max(plain, local):.2f}x |"
+                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / max(plain, local):.2f}x "
+                f"| {split} |"
             )
         ratios = sorted(t / max(p, q) for p, q, t in pairs)
         print(

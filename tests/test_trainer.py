@@ -113,6 +113,13 @@ def test_cli_run_writes_all_outputs(tmp_path):
         assert key in summary, key
     assert summary["steps_completed"] == 20 and summary["samples_trained"] == 20 * 128
     assert summary["throughput_after_warmup_samples_per_s"] > 0  # steps 11-20, after the warm-up
+    # the training thread over those steps: on a CPU, runnable, blocked, adding up to its wall time
+    thread = summary["training_thread_ms"]
+    assert thread["on_cpu"] > 0 and thread["runnable"] >= 0 and thread["blocked"] >= 0
+    assert (
+        abs(thread["on_cpu"] + thread["runnable"] + thread["blocked"] - thread["wall"]) < 0.05 + 0.01 * thread["wall"]
+    )
+    assert thread["wall"] == pytest.approx(1000 * 128 / summary["throughput_after_warmup_samples_per_s"], rel=0.2)
     assert summary["failures"] == [] and len(summary["embedding_digest"]) == 64
     assert 0.5 < summary["ceiling_auc"] < 1 and 0 < summary["final_auc"] < 1
     assert (out / "plots" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
