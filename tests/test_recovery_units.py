@@ -654,3 +654,10 @@ def test_a_dense_save_becomes_the_state_only_once_committed_and_a_commit_drops_o
     saver.save(4, lambda: state)
     saver.discard()  # the run ends with step 4 not committed
     assert saver.load()["step"] == 3 and not list(tmp_path.glob("*.tmp"))
+    # the optimizer gains state: new dicts, whose layout is walked again (not the one kept from before)
+    grown = {"model": state["dense"]["model"], "optim": {"state": {0: {"step": torch.tensor(4.0), "sum": w * 2}}}}
+    saver.save(5, lambda: {**state, "dense": grown})
+    saver.committer(5)()
+    got = saver.load()["dense"]
+    assert torch.equal(got["optim"]["state"][0]["sum"], w * 2) and float(got["optim"]["state"][0]["step"]) == 4.0
+    assert torch.equal(got["model"]["w"], w)
