@@ -252,3 +252,38 @@ def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
     put_rows(dst, at[:5], np.ones((5, 17), np.float64))  # another dtype: converted
     ref[at[:5]] = 1.0
     np.testing.assert_array_equal(dst, ref)
+
+
+def test_row_writes_encode_every_table_as_one_command_per_table_would():
+    """A write of many tables (key prefixes of two lengths, rows of two widths) is encoded a few
+    arrays at a time; the MSETs carry exactly the (key, value) pairs of encoding each table alone."""
+    import hiredis
+
+    from embeddings.wire import RowConnection, key_args, value_args
+
+    rng = np.random.default_rng(5)
+    groups = []
+    for t in (3, 7, 12, 25, 31):
+        n = int(rng.integers(1, 3000))
+        width = 9 if t in (7, 25) else 17
+        ids = np.sort(rng.choice(1 << 40, n, replace=False))
+        groups.append((b"ns:{0}:%d:" % t, ids, rng.standard_normal((n, width)).astype(np.float32)))
+    groups.append((b"ns:{0}:4:", np.empty(0, np.int64), np.empty((0, 17), np.float32)))
+
+    def pairs(commands):
+        out = {}
+        for c in commands:
+            reader = hiredis.Reader()
+            reader.feed(c)
+            cmd = reader.gets()
+            assert cmd[0] == b"MSET" and reader.gets() is False  # one whole command each
+            out.update(zip(cmd[1::2], cmd[2::2]))
+        return out
+
+    got = pairs(RowConnection._row_commands(groups))
+    want = {}
+    for prefix, ids, rows in groups[:-1]:
+        for k, v in zip(key_args(prefix, ids), value_args(rows)):  # each "$len\r\n<bytes>\r\n"
+            k, v = bytes(k), bytes(v)
+            want[k[k.index(b"\r\n") + 2 : -2]] = v[v.index(b"\r\n") + 2 : -2]
+    assert got == want and len(got) == sum(len(ids) for _, ids, _ in groups)
