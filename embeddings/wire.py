@@ -268,15 +268,15 @@ class RowConnection:
     @staticmethod
     def _row_commands(groups) -> list[bytes]:
         """MSET commands of ``CHUNK`` rows for every group (key prefix, ids, rows): the groups whose
-        prefixes have one length and whose rows one width are encoded together into one ``[n, key + value]`` array (each
-        row's key head picked from a table of the prefixes), so a write of many tables costs a few
-        numpy calls rather than a few per table."""
+        prefixes have one length and whose rows one width are encoded together into one
+        ``[n, key + value]`` array (each row's key head picked from a table of the prefixes), so a
+        write of many tables costs a few numpy calls rather than a few per table."""
         parts = []
-        by_length: dict[tuple[int, int], list[tuple[bytes, np.ndarray, np.ndarray]]] = {}
+        by_shape: dict[tuple[int, int], list[tuple[bytes, np.ndarray, np.ndarray]]] = {}
         for g in groups:  # one array per (prefix length, row width)
             if len(g[1]):
-                by_length.setdefault((len(g[0]), g[2].shape[1]), []).append(g)
-        for (plen, _), gs in by_length.items():
+                by_shape.setdefault((len(g[0]), g[2].shape[1]), []).append(g)
+        for (plen, _), gs in by_shape.items():
             heads = np.stack([np.frombuffer(b"$%d\r\n" % (plen + 8) + p, np.uint8) for p, _, _ in gs])
             ids = gs[0][1] if len(gs) == 1 else np.concatenate([ids for _, ids, _ in gs])
             rows = gs[0][2] if len(gs) == 1 else np.concatenate([r for _, _, r in gs])

@@ -55,7 +55,7 @@ def layout_of(obj) -> tuple[object, dict[str, list[torch.Tensor]]]:
     def place(t: torch.Tensor) -> tuple:
         name = str(t.dtype).removeprefix("torch.")
         at = sizes.get(name, 0)
-        parts.setdefault(name, []).append(t)
+        parts.setdefault(name, []).append(t.detach())  # a copy of values, never of autograd
         sizes[name] = at + t.numel()
         return (_TENSOR, name, at, tuple(t.shape))
 
@@ -63,9 +63,10 @@ def layout_of(obj) -> tuple[object, dict[str, list[torch.Tensor]]]:
 
 
 def flatten(parts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A copy of each dtype's tensors as one flat tensor (the snapshot point)."""
+    """A copy of each dtype's tensors (detached, from ``layout_of``) as one flat tensor (the snapshot
+    point)."""
     return {
-        name: torch.cat(ts if all(t.dim() == 1 for t in ts) else [t.detach().reshape(-1) for t in ts])
+        name: torch.cat(ts if all(t.dim() == 1 for t in ts) else [t.reshape(-1) for t in ts])
         for name, ts in parts.items()
     }
 
@@ -73,7 +74,7 @@ def flatten(parts: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
 def flat_views(parts: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
     """``parts`` with each contiguous tensor as a flat view of itself (later in-place updates show
     through): ``flatten`` of them is then one call per dtype."""
-    return {name: [t.detach().view(-1) if t.is_contiguous() else t for t in ts] for name, ts in parts.items()}
+    return {name: [t.view(-1) if t.is_contiguous() else t for t in ts] for name, ts in parts.items()}
 
 
 def pack(obj) -> dict:
