@@ -89,6 +89,15 @@ class HeldRows:
         self._lock = threading.Lock()
         self._forgotten: dict[int, list[np.ndarray]] = {}  # per shard: rows held until ``clear`` forgot them
 
+    @property
+    def positions(self) -> int:
+        """Rows of every held table (the length of the flat arrays)."""
+        return len(self._rows)
+
+    def holds_all(self) -> bool:
+        """Every table is held."""
+        return bool((self._base >= 0).all()) and len(self._rows) > 0
+
     def holds(self, table: int) -> bool:
         return bool(self._base[table] >= 0)
 
@@ -120,6 +129,14 @@ class HeldRows:
         if at is None or at.min() < 0 or bool((self._state[at] == UNKNOWN).any()):
             return None
         self.hits += len(at)
+        return np.take(self._rows, at, axis=0)
+
+    def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
+        """A copy of the rows of packed keys, when every one is held (not counted as a read: the
+        rows go to their shards); else None."""
+        at = self.flat(keys)
+        if at is None or not len(at) or at.min() < 0 or not bool(np.all(self._state[at] == HELD)):
+            return None
         return np.take(self._rows, at, axis=0)
 
     def _keys_at(self, at: np.ndarray) -> np.ndarray:

@@ -333,28 +333,38 @@ class RedisStore(StoreBase):
         step: int,
         undo: np.ndarray,
         before: Callable[[], None] | None = None,
+        window: bool = False,
     ) -> None:
         """``write_step`` on the write-behind thread: this thread trains on while the servers apply the
         rows. The rows are held at once (the next step reads them from here), so only a process that
         writes every shard it reads may use it. ``join_behind`` is the write's commit point: it
         returns the shards that failed; until then a row read or write of this store from any other
         thread waits for the write first (``_bulk``), so nothing reads a shard behind it. ``before``
-        runs on the write-behind thread first (what must be durable before the rows move)."""
+        runs on the write-behind thread first (what must be durable before the rows move).
+
+        ``window``: the rows of several steps up to ``step``, already held (``hold_written``), and
+        ``undo`` their values as of each shard's last write: each shard's undo record is named for
+        the step after the one its applied marker shows (see ``rollback``)."""
         if self._behind is not None:
             raise RuntimeError("write_behind: the previous write-behind was not joined")
+        if not window:
+            self.hold_written(keys, rows, shards, step)
+
+        def write() -> dict[int, ShardUnavailableError]:
+            if before is not None:
+                before()
+            return self._write_io(keys, rows, shards, step, undo, False, window)
+
+        self._behind = self._behind_pool.submit(write)
+
+    def hold_written(self, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, step: int) -> None:
+        """Rows handed to a write-behind are held at once: the next step reads them from here."""
         if self.held is not None:
             if len(self.held.shards) < self.num_shards:
                 mine = np.isin(shards, list(self.held.shards))
                 self.held.put_keys(keys[mine], rows[mine], step)
             else:  # one writer of every shard: no mask, no copy
                 self.held.put_keys(keys, rows, step)
-
-        def write() -> dict[int, ShardUnavailableError]:
-            if before is not None:
-                before()
-            return self._write_io(keys, rows, shards, step, undo, False)
-
-        self._behind = self._behind_pool.submit(write)
 
     def behind_pending(self) -> Future | None:
         """The write-behind not joined yet (its result: the failed shards), or None."""
@@ -379,6 +389,7 @@ class RedisStore(StoreBase):
         step: int | None,
         undo: np.ndarray | None,
         hold: bool,
+        window: bool = False,
     ) -> dict[int, ShardUnavailableError]:
         """Sorted packed keys (``shards``: the shard of each) and their rows [n, width]. With ``step``,
         each shard gets, in this order on one connection: the step's undo record (the rows' previous
@@ -398,14 +409,16 @@ class RedisStore(StoreBase):
                 groups = rowkeys.table_groups(k)
                 args = [(self.prefix(t, s), ids, r[lo:hi]) for t, (ids, lo, hi) in groups.items()]
                 first, last = [], []  # undo record before the rows, applied marker after them
-                if step is not None:
-                    if undo is not None:
-                        u = undo[at]
-                        blob = encode_groups(step, [(t, ids, u[lo:hi]) for t, (ids, lo, hi) in groups.items()])
-                        first.append([b"SET", self.meta_key("undo", s), blob])
-                    last.append([b"SET", self.meta_key("applied", s), b"%d" % step])
                 try:
                     self._call(s, lambda s=s: locks.enter_context(self._bulk(s)))
+                    if step is not None:
+                        if undo is not None:
+                            # a window's undo record covers the steps since the shard's last write
+                            since = self._call(s, lambda s=s: self._marker(s)) + 1 if window else step
+                            u = undo[at]
+                            blob = encode_groups(since, [(t, ids, u[lo:hi]) for t, (ids, lo, hi) in groups.items()])
+                            first.append([b"SET", self.meta_key("undo", s), blob])
+                        last.append([b"SET", self.meta_key("applied", s), b"%d" % step])
                     reply = self._call(s, lambda s=s, a=args, f=first, la=last: self._wires[s].send_rows(a, f, la))
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
@@ -590,6 +603,11 @@ class RedisStore(StoreBase):
         """``WAIT 1``: block until the shard's replica has every write so far; -> replicas that have them."""
         return int(self.call(shard, lambda c: c.execute_command("WAIT", 1, timeout_ms)))
 
+    def _marker(self, shard: int) -> int:
+        """The shard's applied marker (0: never applied), read under its lock, held by the caller."""
+        raw = self._wires[shard].get(self.meta_key("applied", shard))
+        return 0 if raw is None else int(raw)
+
     def _locked_get(self, shard: int, key: bytes) -> bytes | None:
         with self._locks[shard]:
             return self._wires[shard].get(key)
@@ -626,9 +644,10 @@ class RedisStore(StoreBase):
         return self._call(shard, run)
 
     def rollback(self, shard: int, to_step: int) -> int:
-        """Back to ``to_step``: undo the one step a shard applied after it, or the rows a writer that
-        died part way through step ``to_step + 1`` left (marker still at ``to_step``, undo record of
-        ``to_step + 1``). Returns rows restored."""
+        """Back to ``to_step``: undo the one write a shard applied after it, or the rows a writer that
+        died part way through the write after ``to_step`` left (marker still at ``to_step``, undo
+        record of ``to_step + 1``). A write covers one step, or a window of steps up to the marker
+        (``write_every``); its undo record is named for its first step. Returns rows restored."""
         self._forget(shard)
         applied = self.applied_step(shard) or 0  # never applied: cut short in its first step, or untouched
         if applied < to_step:
@@ -640,10 +659,10 @@ class RedisStore(StoreBase):
         elif blob is None:
             raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
         undo_step, groups = decode_groups(blob) if blob else (None, [])
-        if undo_step != to_step + 1 or applied not in (to_step, to_step + 1):
+        if undo_step != to_step + 1:
             raise ShardDataError(
                 f"shard {shard} at {self.endpoints[shard]}: at step {applied}, cannot roll back to {to_step} "
-                f"(undo record is for step {undo_step}; one step can be undone)"
+                f"(undo record is for step {undo_step}; one write can be undone)"
             )
         args = [(self.prefix(t, shard), ids, rows) for t, ids, rows in groups]
         extra = [

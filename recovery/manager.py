@@ -53,6 +53,7 @@ from recovery.files import FAILURES, TRAINER_FAILURES, append_line, read_lines, 
 from recovery.inject import Injector
 from recovery.log import ShardLog
 from recovery.strategy import Strategy
+from recovery.window import Window
 
 STRATEGIES = tuple(s.value for s in Strategy)
 MAX_ATTEMPTS = 8  # retries of one phase before the run gives up (shards that keep failing)
@@ -154,6 +155,10 @@ class RecoveryManager:
     restart_timeout_s: float = 60.0  # how long a remote shard's supervisor has to bring it back
     replica_wait: bool = False  # writers wait until replicas acknowledged each step's writes
     write_behind: bool = False  # a step's write runs on the store's write-behind thread (one trainer)
+    write_every: int = 1  # with write_behind and every table held: rows reach the shards once per window
+    # step -> a wait that makes the dense state saved at ``step`` the restart point (or None): a
+    # window's write runs it before its rows move (``DenseSaver.committer``)
+    committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None
 
     def __post_init__(self) -> None:
         try:
@@ -172,10 +177,18 @@ class RecoveryManager:
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
-        # write-behind: (update, step, keys, rows, shards) of the write in flight; shard -> (update, step)
-        # of a write-behind that failed there, redone once the shard is recovered
+        # write-behind: ([(update, step)], step, keys, rows, shards) of the write in flight (one step's,
+        # or a window's); shard -> the (update, step)s of a write-behind that failed there, redone in
+        # order once the shard is recovered
         self._behind: tuple | None = None
-        self._redo: dict[int, tuple[object, int]] = {}
+        self._redo: dict[int, list[tuple[object, int]]] = {}
+        held = getattr(self.store, "held", None)
+        self._window = (
+            Window(held, self.write_every)
+            if self.write_behind and self.write_every > 1 and held is not None and held.holds_all()
+            else None
+        )
+        self._written_to = 0  # the step the last window written (or the restart's dense state) is as of
         self._last_logged: dict[int, int] = {}  # shard -> the last step this writer handed to its log
         self._restore_steps: dict[int, tuple[int, int]] = {}  # shard -> (restored from step, newest step restored)
         self._redone: set[int] = set()
@@ -242,6 +255,10 @@ class RecoveryManager:
         with the others, and its part on them is redone before the phase's."""
         if self._behind is not None and self._flags.any():
             self._settle_behind()
+        if self._window is not None and self._window.open and self._flags.any():
+            # the open window's rows go now: failed shards redo its steps once recovered
+            self._write_window()
+            self._settle_behind()
         failed = self.sync()
         for s in self._redone - set(failed):
             self._redo.pop(s, None)
@@ -268,13 +285,29 @@ class RecoveryManager:
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
     # -- write-behind ----------------------------------------------------------------------------
-    def commit_behind(self, now: int) -> Outcome:
+    @property
+    def window_steps(self) -> int:
+        """Steps per write-behind window (1: every step's rows are written after it)."""
+        return self._window.every if self._window is not None else 1
+
+    def commit_behind(self, now: int, reads: bool = False) -> Outcome:
         """The commit point of the write-behind in flight (if any): the trainer calls it before the
-        next step's update and before anything that reads the shards (saves, evaluation, the end).
-        A shard that failed under it is recovered and the step's write redone there, as a failure
-        during a synchronous update would be. ``now``: the step the trainer is in. A failure record
-        names the step an injected failure fired at (else the write's), and ``write_step``, the step
-        whose write saw it, where they differ."""
+        next step's update, and with ``reads`` before anything that reads the shards (saves,
+        evaluation, the end), which first writes an open window. A shard that failed under it is
+        recovered and the write's steps redone there, as a failure during a synchronous update
+        would be. With windows, before an update that does not close a window the write in flight
+        is left to run. ``now``: the step the trainer is in. A failure record names the step an
+        injected failure fired at (else the write's), and ``write_step``, the step whose write saw
+        it, where they differ."""
+        if self._window is not None and not reads and not self._window.closes_at(now):
+            return CONTINUE
+        out = self._join_behind(now)
+        if not reads or out.rolled_back or self._window is None or not self._window.open:
+            return out
+        self._write_window()
+        return self._join_behind(now)
+
+    def _join_behind(self, now: int) -> Outcome:
         if self._behind is None:
             return CONTINUE
         self._seen_at = now
@@ -291,26 +324,30 @@ class RecoveryManager:
         dense state's step. Replicas are waited for here, as after a synchronous write."""
         if self._behind is None:
             return
-        update, step, keys, rows, shards = self._behind
+        updates, step, keys, rows, shards = self._behind
         self._behind = None
         failed = self.store.join_behind()
         for s in failed:
             self._fail(s)
-            self._redo[s] = (update, step)
+            self._redo.setdefault(s, []).extend(updates)
         if self.replica_wait:
             for s in np.unique(shards).tolist():
                 if s not in failed and self.store.has_replica(s):
                     self._replicated(s)
 
     def _redo_behind(self, only: tuple[int, ...]) -> None:
-        """Recovered shards that a write-behind had failed on: its step's update again, synchronously."""
+        """Recovered shards that a write-behind had failed on: its steps' updates again, in order,
+        synchronously (the steps its log or its replica already brought it to are not redone)."""
         for s in sorted(set(only) & set(self._redo)):
-            update, step = self._redo[s]
-            if self._as_of.get(s, -1) >= step:  # its log (or its replica) brought it to that step
+            todo = [(u, step) for u, step in self._redo[s] if self._as_of.get(s, -1) < step]
+            if not todo:
                 del self._redo[s]
                 continue
             self._redone.add(s)
-            self.guard(lambda s=s, update=update, step=step: self.apply(update, step, (s,)))
+            for update, step in todo:
+                ok, _ = self.guard(lambda s=s, update=update, step=step: self.apply(update, step, (s,)))
+                if not ok:
+                    break
 
     # -- accounting ------------------------------------------------------------------------------
     def count_updates(self, updated, step: int | None = None) -> None:
@@ -398,13 +435,17 @@ class RecoveryManager:
         try:
             current = self.store.read_keys(keys)  # held rows: no I/O
         except ShardUnavailableError:  # some rows had to come from a shard that is down: shard by shard
-            if behind and durable is not None:
+            if self._window is not None and self._window.open:  # its rows first, as of the step before
+                self._settle_behind()
+                self._write_window()
+                self._settle_behind()
+            elif behind and durable is not None:
                 durable()
             self._apply_by_shard(keys, grads, shards, step)
             return
         new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
         if behind:
-            if self._behind is not None:
+            if self._behind is not None and self._window is None:
                 raise RecoveryError(f"step {step}: the write-behind of step {self._behind[1]} was not committed")
             # the step's records go to the logs now, beside its write (see ``_settle_behind``); the
             # write-behind thread waits for the last step's before this step's rows move
@@ -415,8 +456,14 @@ class RecoveryManager:
                     if log is not None:  # its rows picked and grouped on the log's thread
                         self._logged(s, step)
                         log.append_keys(step, keys, new, shards)
+            if self._window is not None:  # held now, written when the window closes
+                self.store.hold_written(keys, new, shards, step)
+                self._window.add(owned, step, keys, current)
+                if self._window.closes_at(step):
+                    self._write_window(before)
+                return
             self.store.write_behind(keys, new, shards, step, undo=current, before=lambda: _wait_all(before, durable))
-            self._behind = (owned, step, keys, new, shards)
+            self._behind = ([(owned, step)], step, keys, new, shards)
             return
         failed = self.store.write_step(keys, new, shards, step, undo=current)
         for s in failed:
@@ -426,6 +473,24 @@ class RecoveryManager:
                 if s not in failed:
                     at = np.flatnonzero(shards == s)
                     self._written(s, step, keys[at], new[at])
+
+    def _write_window(self, before: list | None = None) -> None:
+        """The open window's rows to the write-behind thread (the write before it is committed).
+        They move once the dense state as of the last window written is the restart point and the
+        logs hold the steps before (``before``: the log records pending then; default: all)."""
+        if self._behind is not None:
+            raise RecoveryError(f"the write-behind of step {self._behind[1]} was not committed")
+        keys, rows, undo, updates = self._window.take()
+        step = updates[-1][1]
+        if before is None:
+            before = [(log, log.pending()) for log in self.logs.values()]
+        durable = self.committer_of(self._written_to)
+        shards = self.store.shard_map.shard_of_keys(keys)
+        self.store.write_behind(
+            keys, rows, shards, step, undo=undo, before=lambda: _wait_all(before, durable), window=True
+        )
+        self._behind = (updates, step, keys, rows, shards)
+        self._written_to = step
 
     def _wait_logs(self) -> None:
         """The previous step's records are written before this step's rows move."""
@@ -823,6 +888,9 @@ class RecoveryManager:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
         self._behind = None  # joined at the commit point that rolled back
         self._redo.clear()
+        if self._window is not None:
+            self._window.clear()
+        self._written_to = to_step
         self._last_logged = {s: min(at, to_step) for s, at in self._last_logged.items()}
         for log in self.logs.values():
             log.truncate_after(to_step)
@@ -858,6 +926,7 @@ class RecoveryManager:
         dead (a node failure takes its shards too) or whose restore was cut short are recovered
         under the run's strategy. Returns the protocol's outcome (``full`` may roll back further)."""
         rolled: list[int] = []
+        self._written_to = step
         self._load_journal()
         if self.rank == 0:
             self._drop_saves_after(step)
@@ -1005,7 +1074,9 @@ class NoRecovery:
         fn(None)
         return CONTINUE
 
-    def commit_behind(self, now: int) -> Outcome:
+    window_steps = 1
+
+    def commit_behind(self, now: int, reads: bool = False) -> Outcome:
         return CONTINUE
 
     def count_updates(self, updated, step=None) -> None:

@@ -62,6 +62,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         int,
         "MB of tables each trainer may hold in memory for the rows it writes (no re-read on update); 0: off",
     ),
+    "--write-every": (
+        "embeddings",
+        "write_every",
+        int,
+        "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step)",
+    ),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
     "--optimizer": ("optim", "optimizer", str, "sgd | adagrad (row-wise for embeddings)"),
     "--lr": ("optim", "lr", float, "learning rate"),

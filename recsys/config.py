@@ -105,6 +105,12 @@ class EmbeddingConfig:
     """With one trainer (it writes every shard it reads) and held rows: a step's rows go to the shards
     on a background thread while the next step computes; their commit point is the next update (or
     any save, evaluation or the end), where a failed write is recovered and redone as before."""
+    write_every: int = 1
+    """With the write-behind: a row reaches its shard once per window of this many steps (the rows a
+    window updated, each once, as of its last step) instead of after every step that updates it.
+    Saves, evaluations and the end close a window early. A trainer restart resumes from the last
+    window's end (up to this many - 1 steps run again); a shard failure is seen when its window is
+    written, and the window's updates are redone on the recovered shard as a step's are."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
     huge_pages: bool = False
@@ -117,6 +123,7 @@ class EmbeddingConfig:
         _check(self.shards > 0, "shards", self.shards, "must be > 0")
         _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
+        _check(self.write_every >= 1, "write_every", self.write_every, "must be >= 1")
         if self.cluster:
             try:
                 seed_urls(self.redis)

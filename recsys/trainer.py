@@ -283,6 +283,7 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
         restart_timeout_s=rc.shard_restart_timeout,
         replica_wait=cfg.embeddings.replica_wait,
         write_behind=cfg.embeddings.write_behind and world == 1 and store.held is not None,
+        write_every=cfg.embeddings.write_every,
     )
     if ckpt is not None:
         ckpt.on_saved = manager.on_checkpoint_saved
@@ -349,6 +350,7 @@ class Trainer:
             else NoDenseSaver()
         )
         self.schedule = Schedule(cfg, self.num_shards, self.coll, rank)
+        self.recovery.committer_of = self.dense_saver.committer  # a window's write makes its step's save current
         self.out: RunOutputs | NullOutputs = NullOutputs()
         self.step = 1  # the step about to run
         self.priority_pauses: list[float] = []
@@ -515,14 +517,17 @@ class Trainer:
     def after_step(self, loss: torch.Tensor) -> Outcome:
         """Saves, logging and evaluation after a completed step."""
         step = self.step
-        # built only where it is saved, and written once the step's write-behind is on the shards
-        self.dense_saver.save(step, lambda: self.state_dict(step))
-        self.schedule.observe(step, time.perf_counter() - self._t_step)
-        out = CONTINUE
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
         sched = self.schedule
-        if eval_now or sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step):
-            out = self.recovery.commit_behind(step)  # saves and evaluation read the shards as of this step
+        reads = eval_now or sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step)
+        window = self.recovery.window_steps
+        if window == 1 or reads or step % window == 0 or step == self.steps:  # where a write may end
+            # built only where it is saved, and written once the step's write-behind is on the shards
+            self.dense_saver.save(step, lambda: self.state_dict(step))
+        self.schedule.observe(step, time.perf_counter() - self._t_step)
+        out = CONTINUE
+        if reads:  # saves and evaluation read the shards as of this step
+            out = self.recovery.commit_behind(step, reads=True)
             if out.rolled_back:
                 return out
         if self.schedule.checkpoint_due(step):
@@ -653,7 +658,7 @@ class Trainer:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
         self.clock.mark(self.steps)
-        out = self.recovery.commit_behind(self.steps)  # the last step's write-behind
+        out = self.recovery.commit_behind(self.steps, reads=True)  # the last step's write-behind
         if out.rolled_back:
             return out, None
         commit = self.dense_saver.committer(self.steps)  # every row of the last step is on its shard

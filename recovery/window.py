@@ -1,0 +1,69 @@
+"""A write-behind window: the rows of several steps reach their shards in one write.
+
+With ``write_every`` K (one trainer, write-behind, every table held), a step's updated rows are
+held at once (the next step reads them there) and go to their shards when the window closes:
+every K steps, or early where something reads the shards (a save, an evaluation, the end) or a
+shard failed. The window's write carries each row once, as of the window's last step, and an undo
+record of the rows' values before the window (each row's value when the window first updated it):
+the shard can be taken back to its last write as after a one-step write. A row updated in most
+steps (the hot rows of a Zipf batch stream) is written once per window instead of once per step,
+which is what the servers spend their time on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embeddings.held import HeldRows
+
+
+class Window:
+    def __init__(self, held: HeldRows, every: int) -> None:
+        if every < 2:
+            raise ValueError(f"write_every {every}: a window spans at least 2 steps")
+        self.every = every
+        self.held = held
+        self._dirty = np.zeros(held.positions, bool)  # per held row: updated in the open window
+        self._keys: list[np.ndarray] = []  # per step: the keys it updated first in the window
+        self._undo: list[np.ndarray] = []  # their rows before the window
+        self.updates: list[tuple[object, int]] = []  # (update, step) of each step in the window
+
+    @property
+    def open(self) -> bool:
+        return bool(self.updates)
+
+    def closes_at(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
+        """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``."""
+        at = self.held.flat(keys)
+        if at is None or bool((at < 0).any()):
+            raise ValueError("a write-behind window needs every table held")
+        fresh = ~self._dirty[at]
+        if not fresh.all():
+            keys, before, at = keys[fresh], before[fresh], at[fresh]
+        self._dirty[at] = True
+        self._keys.append(keys)
+        self._undo.append(before)
+        self.updates.append((update, step))
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[object, int]]]:
+        """Close the window: -> (sorted keys it updated, their rows now, their rows before it, its
+        steps' updates). The rows are a copy: the next steps update the held rows in place."""
+        keys = np.concatenate(self._keys)
+        undo = np.concatenate(self._undo)
+        order = np.argsort(keys, kind="stable")
+        keys, undo = keys[order], undo[order]
+        rows = self.held.copy_rows(keys)
+        if rows is None:
+            raise RuntimeError("a write-behind window's rows are no longer held")
+        self._dirty[self.held.flat(keys)] = False
+        updates = self.updates
+        self._keys, self._undo, self.updates = [], [], []
+        return keys, rows, undo, updates
+
+    def clear(self) -> None:
+        """Forget the open window (a rollback took the rows back before it)."""
+        self._dirty[:] = False
+        self._keys, self._undo, self.updates = [], [], []
