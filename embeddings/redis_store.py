@@ -122,6 +122,7 @@ class RedisStore(StoreBase):
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="shard")
         self._behind_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
         self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
+        self.rows_written = 0  # rows the training steps' writes put on their shards
         self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
         self.reload_kept = self.reload_absent = self.reload_read = (
             0  # rows of restored shards: held again, absent, read
@@ -430,6 +431,7 @@ class RedisStore(StoreBase):
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
                     continue
+                self.rows_written += len(k)
                 if hold and self.held is not None and s in self.held.shards:  # written: now held as written
                     self.held.put_keys(k, r, step)
         return failed

@@ -769,6 +769,9 @@ class Trainer:
             "log_behind_seconds": round(self.log_behind_s, 4),
             "log_background_seconds": round(self.log_background_s, 4),
             "behind_wait_s": round(getattr(getattr(self.backend, "store", None), "behind_wait_s", 0.0), 4),
+            # this trainer's: rows its steps' writes put on the shards (a window writes each row once)
+            "rows_written": getattr(getattr(self.backend, "store", None), "rows_written", None),
+            "write_every": self.recovery.window_steps,
             "held_reload_s": round(self.reload_s, 4),
             "held_rows_after_restores": self.held_after_restores,
             "checkpoint_every": self.schedule.every,
