@@ -7,7 +7,8 @@ plain loop over pre-built batches: the strongest peer. Then ``--embeddings local
 engine inside the project's training loop, data read each step), and the Redis tier with each shard
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
 trainer restarts on; the goal configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``:
-no per-step dense state, what the fused engine never writes). The project's DLRM computes
+no per-step dense state, what the fused engine never writes; and with ``--write-every K``: each
+row written to its shard once per window of K steps). The project's DLRM computes
 torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
 engine with torchrec's stock interaction, as a torchrec user gets it. samples/s counts training
 steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs
@@ -26,8 +27,9 @@ engines generate each batch (teacher labels and all) inside their step, as ``rec
 by default, while the reference still trains from pre-built batches.
 
 ``--pairs N``: then N rounds, each the fused engine (in the plain loop and inside the project's
-loop) and the tier's goal configuration (1 trainer, 2 shards) measured back to back, in alternating
-order; the ratio of each round (to the faster fused figure) and their median. On a shared machine
+loop) and the tier's goal configuration (1 trainer, 2 shards; writing every step, and with
+``--write-every K``) measured back to back, in alternating order; the ratio of each round (to the
+faster fused figure) and their medians. On a shared machine
 whose speed moves over minutes, a round's figures see the same machine.
 
 ``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
@@ -66,13 +68,22 @@ def step_parts(summary: dict) -> dict:
 
 
 def config(
-    args, out: Path, embeddings: str, shards: int, prefetch: bool, trainers: int, rows=None, dim=None, restarts=True
+    args,
+    out: Path,
+    embeddings: str,
+    shards: int,
+    prefetch: bool,
+    trainers: int,
+    rows=None,
+    dim=None,
+    restarts=True,
+    write_every=1,
 ) -> RunConfig:
     rows = rows or args.rows_per_table
     cfg = RunConfig(
         data=DataConfig(data=data_spec(args, rows), rows_per_table=rows, eval_samples=4096),
         model=ModelConfig(embedding_dim=dim or args.embedding_dim),
-        embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch),
+        embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch, write_every=write_every),
         optim=OptimConfig(optimizer=args.optimizer),
         train=TrainConfig(
             steps=args.steps + WARMUP_STEPS,  # timed: the steps after the warm-up, as the reference
@@ -196,6 +207,12 @@ def main() -> None:
         "2 shards): ratio of each to the faster fused figure, median",
     )
     ap.add_argument(
+        "--write-every",
+        type=int,
+        default=16,
+        help="the tier's goal configuration also with rows written once per window of this many steps (1: not)",
+    )
+    ap.add_argument(
         "--data",
         default="preprocessed",
         choices=["preprocessed", "synthetic"],
@@ -237,6 +254,24 @@ def main() -> None:
                                 *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                             )
                         )
+                        if args.write_every > 1:
+                            k = args.write_every
+                            summary = run(
+                                config(args, out.with_name(f"{out.name}-w{k}"), "redis", s, False, w, write_every=k)
+                            )
+                            rows.append(
+                                (
+                                    f"redis tier, --write-every {k}",
+                                    *(
+                                        s,
+                                        w,
+                                        label,
+                                        tput(summary),
+                                        step_parts(summary),
+                                        summary["throughput_samples_per_s"],
+                                    ),
+                                )
+                            )
         # the reference again after the others: the machine is shared, and its figure moves most; the
         # ratios use the fastest fused figure (the strongest peer)
         rows.insert(
@@ -245,16 +280,22 @@ def main() -> None:
         rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
         swept = sweep(args, Path(tmp)) if args.sweep else []
         pairs, threads = [], []
+        k = max(1, args.write_every)
         for i in range(args.pairs):
             measures = [
                 lambda: fused_samples_per_s(args),
                 lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
                 lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
             ]
-            order = range(3) if i % 2 == 0 else range(2, -1, -1)
-            got = {k: measures[k]() for k in order}
-            pairs.append((got[0], got[1], tput(got[2])))
-            threads.append(got[2].get("training_thread_ms") or {})
+            if k > 1:
+                measures.append(
+                    lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
+                )
+            n = len(measures)
+            order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
+            got = {j: measures[j]() for j in order}
+            pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k > 1 else None))
+            threads.append([g.get("training_thread_ms") or {} for g in (got[2], got.get(3)) if g is not None])
     ref = max(rows[0][4], rows[1][4], rows[2][4])  # the plain loop twice, and --embeddings local
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
@@ -275,22 +316,31 @@ def main() -> None:
         whole = f"{whole:,.0f}" if whole is not None else ""
         print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
     if pairs:
+        k = max(1, args.write_every)
+        win = [f"tier, --write-every {k}", "x fused"] if k > 1 else []
         print(
-            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) "
-            "| tier's training thread on_cpu / runnable / blocked (ms/step) |"
+            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) | "
+            + "".join(f"{c} | " for c in win)
+            + "tier's training thread on_cpu / runnable / blocked (ms/step)"
+            + (" (every step; window)" if win else "")
+            + " |"
         )
-        print("|---|---|---|---|---|---|---|")
-        for i, ((plain, local, tier), th) in enumerate(zip(pairs, threads)):
-            order = "plain, loop, tier" if i % 2 == 0 else "tier, loop, plain"
-            split = " / ".join(str(th[k]) for k in ("on_cpu", "runnable", "blocked")) if th else ""
+        print("|---" * (7 + len(win)) + "|")
+        names = ["plain", "loop", "tier"] + (["window"] if win else [])
+        for i, ((plain, local, tier, window), ths) in enumerate(zip(pairs, threads)):
+            order = ", ".join(names if i % 2 == 0 else names[::-1])
+            split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
+            best = max(plain, local)
+            extra = f"{window:,.0f} | {window / best:.2f}x | " if win else ""
             print(
-                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / max(plain, local):.2f}x "
-                f"| {split} |"
+                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
             )
-        ratios = sorted(t / max(p, q) for p, q, t in pairs)
-        print(
-            f"\nmedian of {len(pairs)} rounds: {float(np.median(ratios)):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
-        )
+        for what, at in [("tier", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
+            ratios = sorted(r[at] / max(r[0], r[1]) for r in pairs)
+            print(
+                f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
+                f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+            )
     if swept:
         print(
             "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | fused engine samples/s | tier rows_in / rows_out ms |"
