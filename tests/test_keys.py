@@ -95,3 +95,32 @@ def test_a_step_write_cut_short_is_rolled_back(shards3, namespace):
         assert st.applied_step(0) == 1
         assert st.rollback(0, 1) == 0  # nothing left to undo
         st.clear()
+
+
+def test_a_window_write_is_named_for_the_step_after_each_shards_marker_and_rolls_back_whole(shards3, namespace):
+    """A write-behind window (the rows of steps 3-5 in one write, ``window=True``): each shard's undo
+    record is named for the step after its applied marker, so a restart at step 2 takes the shard
+    back over the whole window in one undo, and a restart at any other step is refused."""
+    from embeddings import ShardDataError
+
+    rng = np.random.default_rng(5)
+    with RedisStore(shards3.urls, TABLES, RowWiseAdagrad(lr=0.05), namespace=namespace) as st:
+        keys = random_keys(rng)
+        st.apply_keys(keys, torch.ones((len(keys), 8)), step=2)
+        shards = st.shard_map.shard_of_keys(keys)
+        before = st.read_keys(keys)
+        after = before + 1.0
+        st.write_behind(keys, after, shards, 5, undo=before, window=True)
+        assert st.join_behind() == {}
+        assert st.applied_steps() == [5, 5, 5] and st.rows_written == 2 * len(keys)
+        np.testing.assert_array_equal(st.read_keys(keys), after)
+        from embeddings.redis_store import decode_groups
+
+        for s in range(3):
+            assert decode_groups(st._locked_get(s, st.meta_key("undo", s)))[0] == 3  # marker 2, then 3-5
+        with pytest.raises(ShardDataError, match="undo record is for step 3"):
+            st.rollback(0, 4)
+        assert sum(st.rollback(s, 2) for s in range(3)) == len(keys)
+        np.testing.assert_array_equal(st.read_keys(keys), before)
+        assert st.applied_steps() == [2, 2, 2]
+        st.clear()
