@@ -21,7 +21,12 @@ Strategies (``recovery.strategy.Strategy``):
 - ``full``: every shard is restored from the checkpoint, and the trainers roll the dense state and
   the readers back to it (``Outcome.to_step``) and recompute from there.
 
-Also here: what a trainer restart needs (``resume``: logs cut back, shards rolled back one step by
+With one trainer the step's write goes behind (``commit_behind`` is its commit point), and with
+``write_every`` K in windows of K steps (``recovery.window``): a window's rows reach the shards in
+one write when it closes, a failure seen anywhere closes it at once, and a shard that failed under a
+write redoes that write's steps once recovered.
+
+Also here: what a trainer restart needs (``resume``: logs cut back, shards rolled back one write by
 their undo records, dead shards recovered), fresh-start cleanup, log retention and failure records.
 """
 
