@@ -41,7 +41,9 @@ class Window:
         if at is None or bool((at < 0).any()):
             raise ValueError("a write-behind window needs every table held")
         fresh = ~self._dirty[at]
-        if not fresh.all():
+        if fresh.all():  # kept over steps: a copy, whatever the caller does with its array later
+            before = before.copy()
+        else:
             keys, before, at = keys[fresh], before[fresh], at[fresh]
         self._dirty[at] = True
         self._keys.append(keys)

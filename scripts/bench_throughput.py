@@ -175,6 +175,12 @@ def sweep(args, tmp: Path) -> list[tuple]:
     for dim in dict.fromkeys([args.embedding_dim, args.sweep_dim]):
         for rows in [int(x) for x in args.sweep.split(",")]:
             tier = run(config(args, tmp / f"sweep-{rows}-{dim}", "redis", 2, False, 1, rows, dim))
+            k = args.write_every
+            window = (
+                tput(run(config(args, tmp / f"sweep-{rows}-{dim}-w", "redis", 2, False, 1, rows, dim, write_every=k)))
+                if k > 1
+                else None
+            )
             need = 26 * rows * (dim + 1) * 4  # weights and row-wise state, fp32
             free = mem_available()
             if need > 0.8 * free:
@@ -184,7 +190,7 @@ def sweep(args, tmp: Path) -> list[tuple]:
                     fused = f"{fused_samples_per_s(args, rows, dim):,.0f}"
                 except (RuntimeError, MemoryError) as e:
                     fused = f"cannot allocate: {str(e).splitlines()[0][:60]}"
-            out.append((rows, dim, tput(tier), fused, tier["step_ms"]))
+            out.append((rows, dim, tput(tier), window, fused, tier["step_ms"]))
     return out
 
 
@@ -342,12 +348,16 @@ def main() -> None:
                 f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
             )
     if swept:
+        k = args.write_every
         print(
-            "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | fused engine samples/s | tier rows_in / rows_out ms |"
+            "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | "
+            + (f"tier, --write-every {k} | " if k > 1 else "")
+            + "fused engine samples/s | tier rows_in / rows_out ms |"
         )
-        print("|---|---|---|---|---|")
-        for r, d, tier, fused, ms in swept:
-            print(f"| {r:,} | {d} | {tier:,.0f} | {fused} | {ms.get('rows_in')} / {ms.get('rows_out')} |")
+        print("|---" * (5 + (k > 1)) + "|")
+        for r, d, tier, window, fused, ms in swept:
+            extra = f"{window:,.0f} | " if window is not None else ""
+            print(f"| {r:,} | {d} | {tier:,.0f} | {extra}{fused} | {ms.get('rows_in')} / {ms.get('rows_out')} |")
 
 
 if __name__ == "__main__":
