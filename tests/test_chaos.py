@@ -3,7 +3,8 @@ random wall-clock moments (shard kills, a stall, a trainer kill, a node failure)
 
 The moments are drawn from a seed printed with every failure message (``CHAOS_SEED=N`` replays
 one). Under ``log`` and ``full`` the run must end with the failure-free run's embeddings, bit for
-bit; under ``partial`` its losses must be counted and add up."""
+bit; under ``partial`` its losses must be counted and add up. One trainer writing in windows
+(``--write-every``) meets the same kinds of failure at random moments and must end bit for bit too."""
 
 import json
 import os
@@ -109,3 +110,43 @@ def test_partial_recovery_counts_its_losses_under_the_same_chaos(tmp_path, basel
         done = f["step"] - (1 if f.get("phase", "stage") in ("stage", "update", "resume") else 0)
         assert f["lost_samples"] <= (done - f["restored_from_step"]) * 256 + 1e-6, msg
     assert s["embedding_digest"] != baseline["embedding_digest"]
+
+
+ONE = ["--steps", "600", "--trainers", "1", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
+ONE += ["--embedding-dim", "8", "--eval-every", "50", "--eval-samples", "2048", "--log-every", "5"]
+ONE += ["--checkpoint-every", "20", "--max-restarts", "4", "--timeout", "1", "--write-every", "5"]
+
+
+def schedule_one(seed: int) -> list[str]:
+    """Four failures at random moments of a one-trainer run (about 10 s of training here)."""
+    rng = random.Random(seed)
+    s1, s2 = rng.sample(range(3), 2)
+    return [
+        f"shard:{s1}@t={rng.uniform(0.5, 1.5):.2f}",
+        f"stall:{rng.randrange(3)}@t={rng.uniform(1.7, 2.5):.2f}:2",
+        f"trainer:0@t={rng.uniform(2.7, 3.5):.2f}",
+        f"shard:{s2}@t={rng.uniform(3.8, 5.0):.2f}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def baseline_windows(tmp_path_factory) -> dict:
+    return train_cli(tmp_path_factory.mktemp("chaos-base-1"), *ONE, "--recovery", "log", timeout=420)
+
+
+@pytest.mark.parametrize("strategy", ["log", "full"])
+def test_write_behind_windows_survive_chaos_bit_for_bit(tmp_path, baseline_windows, strategy):
+    """One trainer writing its rows in windows of 5 steps: shard kills, a stall and a trainer kill at
+    random moments (inside windows, or while one is written) end on the failure-free run's rows."""
+    injections = schedule_one(SEED)
+    flags = [x for spec in injections for x in ("--inject", spec)]
+    try:
+        s = train_cli(tmp_path, *ONE, "--recovery", strategy, *flags, timeout=420)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED}: {e}") from None
+    msg = f"seed {SEED}: {injections}: {json.dumps(s['failures'])}"
+    assert s["write_every"] == 5 and s["injections_not_fired"] == [], msg
+    assert ("trainer", 0) in {(f["kind"], f["target"]) for f in s["failures"] if f["strategy"] == "restart"}, msg
+    assert any(f["strategy"] == strategy for f in s["failures"]), msg
+    assert s["embedding_digest"] == baseline_windows["embedding_digest"], msg
+    assert all(f["lost_updates"] == 0 for f in s["failures"]), msg
