@@ -335,6 +335,7 @@ class RedisStore(StoreBase):
         undo: np.ndarray,
         before: Callable[[], None] | None = None,
         window: bool = False,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """``write_step`` on the write-behind thread: this thread trains on while the servers apply the
         rows. The rows are held at once (the next step reads them from here), so only a process that
@@ -345,7 +346,8 @@ class RedisStore(StoreBase):
 
         ``window``: the rows of several steps up to ``step``, already held (``hold_written``), and
         ``undo`` their values as of each shard's last write: each shard's undo record is named for
-        the step after the one its applied marker shows (see ``rollback``)."""
+        the step after the one its applied marker shows (see ``rollback``). ``after`` runs on the
+        write-behind thread once every shard took the write (none failed)."""
         if self._behind is not None:
             raise RuntimeError("write_behind: the previous write-behind was not joined")
         if not window:
@@ -354,7 +356,10 @@ class RedisStore(StoreBase):
         def write() -> dict[int, ShardUnavailableError]:
             if before is not None:
                 before()
-            return self._write_io(keys, rows, shards, step, undo, False, window)
+            failed = self._write_io(keys, rows, shards, step, undo, False, window)
+            if after is not None and not failed:
+                after()
+            return failed
 
         self._behind = self._behind_pool.submit(write)
 

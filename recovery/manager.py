@@ -491,8 +491,16 @@ class RecoveryManager:
             before = [(log, log.pending()) for log in self.logs.values()]
         durable = self.committer_of(self._written_to)
         shards = self.store.shard_map.shard_of_keys(keys)
+
+        def written() -> None:
+            """Every shard took the window: the dense state saved at its step (if handed over by
+            now) becomes the restart point at once, not when the next window moves."""
+            commit = self.committer_of(step)
+            if commit is not None:
+                commit()
+
         self.store.write_behind(
-            keys, rows, shards, step, undo=undo, before=lambda: _wait_all(before, durable), window=True
+            keys, rows, shards, step, undo=undo, before=lambda: _wait_all(before, durable), window=True, after=written
         )
         self._behind = (updates, step, keys, rows, shards)
         self._written_to = step
