@@ -385,6 +385,13 @@ class RunConfig:
                 rc.recovery,
                 "replica recovery needs a replica per shard (--replicas local or URLs) or a Redis Cluster",
             )
+        if self.embeddings.write_every > 1:
+            _check(
+                self.embeddings.embeddings == "redis" and self.train.trainers == 1 and self.embeddings.write_behind,
+                "write_every",
+                self.embeddings.write_every,
+                "windows are written behind by one trainer: needs --embeddings redis, --trainers 1 and write-behind",
+            )
         if self.embeddings.embeddings == "local":
             _check(
                 self.train.trainers == 1,

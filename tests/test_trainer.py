@@ -133,6 +133,8 @@ def test_cli_run_writes_all_outputs(tmp_path):
         (["--data", "criteo-kaggle:/nonexistent/train.txt"], "path '/nonexistent/train.txt' does not exist"),
         (["--steps", "ten"], "--steps 'ten': not a valid int"),
         (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
+        (["--write-every", "0"], "write_every=0: must be >= 1"),
+        (["--write-every", "8", "--trainers", "2"], "write_every=8: windows are written behind by one trainer"),
     ],
 )
 def test_bad_config_exits_with_one_line_and_no_traceback(tmp_path, flags, message):
