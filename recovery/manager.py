@@ -363,7 +363,7 @@ class RecoveryManager:
         for w in (self.priority, self.flusher):
             if w is not None:
                 w.observe(keys, shards)
-        if step is not None and self.strategy.promotes:
+        if step is not None and (self.strategy.promotes or self._window is not None):
             self._recent[step] = self.counter.total.copy()
             self._recent.pop(step - RECENT, None)
 
@@ -554,7 +554,10 @@ class RecoveryManager:
                 verdict[1] = rollback + 1
                 for s, at in restored_to.items():
                     verdict[2 + s] = at + 1
-                    verdict[2 + n + s] = int(at < step)
+                    # redone: the phase, and the steps of a failed write-behind past the restore (a
+                    # window written at this commit may hold steps after the phase's)
+                    top = max((st for _, st in self._redo.get(s, [])), default=step)
+                    verdict[2 + n + s] = int(at < max(step, top))
                 for s, (base, newest) in self._restore_steps.items():
                     verdict[2 + 2 * n + s], verdict[2 + 3 * n + s] = base + 2, newest + 2
             except Exception as e:  # noqa: BLE001 - every trainer must learn that recovery failed
@@ -805,15 +808,29 @@ class RecoveryManager:
             earlier = self._lost_since.get(shard)
             if earlier is not None and earlier[0] > as_of:
                 since_step, since_totals = earlier[0], np.asarray(earlier[1], dtype=np.int64)
-            since = self.counter.total - since_totals
+            end, end_totals = self._lost_until(shard, completed)
+            since = end_totals - since_totals if end > since_step else np.zeros_like(since_totals)
             rec["lost_updates"] = max(int(since[shard]) - saved, 0)
-            samples_since = max(0, completed - since_step) * self.batch_size
+            samples_since = max(0, end - since_step) * self.batch_size
             rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
             self.lost.append(rec["lost_samples"])
             self._lost_since[shard] = (completed, self.counter.total.tolist())
             rec["_since"] = [completed, self.counter.total.tolist()]
         self._restore_steps[shard] = (base_step if ckpt is not None else -1, newest)
         return rec, as_of
+
+    def _lost_until(self, shard: int, completed: int) -> tuple[int, np.ndarray]:
+        """The last step whose updates to ``shard`` a restore loses, and the update totals as of it:
+        ``completed``, or with windows the step before the failed write's first step (that write's
+        steps are redone on the restored shard, so they are not lost)."""
+        steps = [st for _, st in self._redo.get(shard, [])]
+        if self._window is None or not steps:
+            return completed, self.counter.total
+        end = min(steps) - 1
+        totals = self._recent.get(end)
+        if end >= completed or totals is None:
+            return completed, self.counter.total
+        return end, totals
 
     def _recover_by_replica(self, shard: int, step: int) -> tuple[dict, int]:
         """Promote the shard's replica; nothing is loaded. The steps it had not received are lost:
@@ -836,16 +853,17 @@ class RecoveryManager:
             rec["transient"] = True
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
             return rec, at
-        if at >= completed:
+        end, end_totals = self._lost_until(shard, completed)
+        if at >= end:
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
             known = [k for k in self._recent if k <= at] or [k for k in self.counter.at_step if k <= at]
             base = max(known)  # the replica's step, or the newest step before it we hold totals of
             totals = self._recent.get(base, self.counter.at_step.get(base))
-            since = self.counter.total - totals
+            since = end_totals - totals
             rec["lost_updates"] = int(since[shard])
             rec["lost_samples"] = round(
-                lost_samples((completed - at) * self.batch_size, rec["lost_updates"], int(since.sum())), 3
+                lost_samples((end - at) * self.batch_size, rec["lost_updates"], int(since.sum())), 3
             )
         self.lost.append(rec["lost_samples"])
         return rec, at

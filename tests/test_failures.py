@@ -303,8 +303,10 @@ WINDOW = ("--write-every", "6")
         ("--recovery", "log", "--checkpoint-every", "10", "--inject", "shard:1@step=15"),
         ("--recovery", "full", "--checkpoint-every", "10", "--inject", "shard:2@step=27"),
         ("--max-restarts", "2", "--inject", "trainer:0@step=22"),
+        # the replica has every window written before the failed one, which is redone: nothing lost
+        ("--recovery", "replica", "--replicas", "local", "--replica-wait", "--inject", "shard:0@step=15"),
     ],
-    ids=["no-failure", "log", "full", "trainer-kill"],
+    ids=["no-failure", "log", "full", "trainer-kill", "replica"],
 )
 def test_write_behind_windows_end_bit_for_bit(tmp_path, baseline_one, flags):
     """With ``--write-every 6`` a row reaches its shard once per window of 6 steps (a checkpoint
