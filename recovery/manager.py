@@ -261,8 +261,10 @@ class RecoveryManager:
         if self._behind is not None and self._flags.any():
             self._settle_behind()
         if self._window is not None and self._window.open and self._flags.any():
-            # the open window's rows go now: failed shards redo its steps once recovered
-            self._write_window()
+            # the open window's rows go now, to the shards that did not fail: the failed ones redo
+            # its steps once recovered (nothing may reach them before, or their marker would pass
+            # a failed write's steps)
+            self._write_window(skip=np.flatnonzero(self._flags).tolist())
             self._settle_behind()
         failed = self.sync()
         for s in self._redone - set(failed):
@@ -332,6 +334,8 @@ class RecoveryManager:
         updates, step, keys, rows, shards = self._behind
         self._behind = None
         failed = self.store.join_behind()
+        if failed and self._window is not None:
+            self._written_to = -1  # not every shard took it: its dense state never becomes the restart point
         for s in failed:
             self._fail(s)
             self._redo.setdefault(s, []).extend(updates)
@@ -439,10 +443,10 @@ class RecoveryManager:
             return
         try:
             current = self.store.read_keys(keys)  # held rows: no I/O
-        except ShardUnavailableError:  # some rows had to come from a shard that is down: shard by shard
+        except ShardUnavailableError as e:  # some rows had to come from a shard that is down: shard by shard
             if self._window is not None and self._window.open:  # its rows first, as of the step before
                 self._settle_behind()
-                self._write_window()
+                self._write_window(skip=sorted({e.shard, *np.flatnonzero(self._flags).tolist()}))
                 self._settle_behind()
             elif behind and durable is not None:
                 durable()
@@ -479,14 +483,20 @@ class RecoveryManager:
                     at = np.flatnonzero(shards == s)
                     self._written(s, step, keys[at], new[at])
 
-    def _write_window(self, before: list | None = None) -> None:
+    def _write_window(self, before: list | None = None, skip: list[int] = ()) -> None:
         """The open window's rows to the write-behind thread (the write before it is committed).
         They move once the dense state as of the last window written is the restart point and the
-        logs hold the steps before (``before``: the log records pending then; default: all)."""
+        logs hold the steps before (``before``: the log records pending then; default: all).
+        ``skip``: failed shards, which get none of it: they redo its steps once recovered."""
         if self._behind is not None:
             raise RecoveryError(f"the write-behind of step {self._behind[1]} was not committed")
         keys, rows, undo, updates = self._window.take()
         step = updates[-1][1]
+        if len(skip):
+            for s in skip:
+                self._redo.setdefault(s, []).extend(updates)
+            keep = ~np.isin(self.store.shard_map.shard_of_keys(keys), skip)
+            keys, rows, undo = keys[keep], rows[keep], undo[keep]
         if before is None:
             before = [(log, log.pending()) for log in self.logs.values()]
         durable = self.committer_of(self._written_to)
@@ -500,7 +510,14 @@ class RecoveryManager:
                 commit()
 
         self.store.write_behind(
-            keys, rows, shards, step, undo=undo, before=lambda: _wait_all(before, durable), window=True, after=written
+            keys,
+            rows,
+            shards,
+            step,
+            undo=undo,
+            before=lambda: _wait_all(before, durable),
+            window=True,
+            after=None if len(skip) else written,  # a skipped shard has not got the window yet
         )
         self._behind = (updates, step, keys, rows, shards)
         self._written_to = step
@@ -827,7 +844,9 @@ class RecoveryManager:
         if self._window is None or not steps:
             return completed, self.counter.total
         end = min(steps) - 1
-        totals = self._recent.get(end)
+        totals = self._recent.get(end, self.counter.at_step.get(end))
+        if end <= 0:
+            totals = np.zeros_like(self.counter.total)
         if end >= completed or totals is None:
             return completed, self.counter.total
         return end, totals
@@ -958,6 +977,8 @@ class RecoveryManager:
         under the run's strategy. Returns the protocol's outcome (``full`` may roll back further)."""
         rolled: list[int] = []
         self._written_to = step
+        if self.strategy.promotes or self._window is not None:  # the totals a loss is measured from
+            self._recent[step] = self.counter.total.copy()
         self._load_journal()
         if self.rank == 0:
             self._drop_saves_after(step)
