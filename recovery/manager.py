@@ -492,15 +492,15 @@ class RecoveryManager:
             raise RecoveryError(f"the write-behind of step {self._behind[1]} was not committed")
         keys, rows, undo, updates = self._window.take()
         step = updates[-1][1]
+        shards = self.store.shard_map.shard_of_keys(keys)
         if len(skip):
             for s in skip:
                 self._redo.setdefault(s, []).extend(updates)
-            keep = ~np.isin(self.store.shard_map.shard_of_keys(keys), skip)
-            keys, rows, undo = keys[keep], rows[keep], undo[keep]
+            keep = ~np.isin(shards, skip)
+            keys, rows, undo, shards = keys[keep], rows[keep], undo[keep], shards[keep]
         if before is None:
             before = [(log, log.pending()) for log in self.logs.values()]
         durable = self.committer_of(self._written_to)
-        shards = self.store.shard_map.shard_of_keys(keys)
 
         def written() -> None:
             """Every shard took the window: the dense state saved at its step (if handed over by
