@@ -11,8 +11,8 @@ from data.criteo import NUM_SPARSE, BinaryCriteo, CriteoTsvReader, kaggle_split,
 from data.errors import DataError, MalformedLineError
 from data.synthetic import SyntheticConfig, SyntheticSource, auc, teacher_auc, write_tsv
 
-# shared/ lies beside the checkout (in development and in CI)
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_sample.tsv"
+# the Criteo sample ships with the tests (tests/data/README.md says where it comes from)
+SAMPLE = Path(__file__).resolve().parent / "data" / "criteo_kaggle_sample.tsv"
 
 
 def read_all(paths, **kw):
@@ -29,7 +29,7 @@ def read_all(paths, **kw):
 def test_sample_parses_to_hand_checked_values():
     _, dense, sparse, labels = read_all([SAMPLE])
     assert dense.shape == (200, 13) and sparse.shape == (200, 26) and labels.shape == (200,)
-    assert labels.sum() == 49  # per shared/data/README.md
+    assert labels.sum() == 49  # per tests/data/README.md
     # line 1: "0 \t\t 3 \t 260 \t\t 17668 \t\t\t 33 \t\t\t\t 0 \t\t 05db9164 \t 08d6d899 ..."
     assert labels[0] == 0
     want = [0, math.log(4), math.log(261), 0, math.log(17669), 0, 0, math.log(34), 0, 0, 0, 0, 0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample.tsv"
+SAMPLE = ROOT / "tests" / "data" / "criteo_kaggle_sample.tsv"
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
