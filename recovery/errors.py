@@ -21,3 +21,8 @@ class InjectionSpecError(RecoveryError, ValueError):
 
 class ShardLostError(RecoveryError):
     """A remote shard that its supervisor did not bring back in time: the run stops, resumable."""
+
+
+class LogGapError(RecoveryError):
+    """A log replay could not reach a step it needed (a gap, a damaged record, a missing segment):
+    the shard cannot be rebuilt exactly, and the run stops rather than train on a wrong shard."""

@@ -14,6 +14,14 @@ Record::
 Records of one step are written with one ``write`` (group commit) and made durable by the fsync
 policy: ``always`` (fsync every step), ``every:N`` (fsync when N ms passed since the last), or
 ``none`` (the OS decides). On open, a torn or corrupt tail is cut at the last whole record.
+
+Every group ends with an end record (table ``END``, no rows, ``width`` = the number of records of
+the group before it), written for every step the writer owns the shard in, rows or none. A step is
+*complete* in the log when an end record follows that many whole records of its step. A replay
+(``ShardLog.replay``) proves its coverage: every step from the restore base to the step it must
+reach is complete, or it raises ``LogGapError`` naming the segment, the first step it cannot
+rebuild and why (a record failing its CRC, a torn record, a missing segment): never a silent
+partial replay.
 """
 
 from __future__ import annotations
@@ -32,12 +40,13 @@ import numpy as np
 
 from embeddings import rowkeys
 from embeddings.redis_store import BEHIND
-from recovery.errors import RecoveryError
+from recovery.errors import LogGapError, RecoveryError
 from recovery.files import fsync_dir, write_atomic
 
 MAGIC = 0x52454331
 _HEADER = struct.Struct("<III")
 _META = struct.Struct("<QIII")
+END = 0xFFFFFFFF  # table of a group's end record: ``width`` counts the group's records before it
 
 
 @dataclass
@@ -72,29 +81,77 @@ def encode_record(step: int, table: int, ids: np.ndarray, rows: np.ndarray) -> b
     return _HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)) + payload
 
 
+def encode_end(step: int, count: int) -> bytes:
+    """The end record of a step's group of ``count`` records."""
+    payload = _META.pack(step, END, 0, count)
+    return _HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)) + payload
+
+
+def encode_group(step: int, groups) -> bytes:
+    """One step's records of (table, ids, rows) groups and their end record: one write."""
+    return b"".join([*(encode_record(step, t, ids, rows) for t, ids, rows in groups), encode_end(step, len(groups))])
+
+
 def _size(groups) -> int:
-    """Bytes of the records of (table, ids, rows) groups."""
-    return sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
+    """Bytes of the records of (table, ids, rows) groups, their end record included."""
+    data = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
+    return data + _HEADER.size + _META.size
 
 
-def scan(path: Path) -> tuple[list[LogRecord], int]:
-    """Every whole, verified record of a segment and the byte offset where they end."""
+@dataclass
+class Entry:
+    """One framed record of a segment as read back: a data record, an end record (``record.table ==
+    END``) or, ``record`` None, a record whose payload fails its CRC (the framing held)."""
+
+    offset: int
+    record: LogRecord | None
+
+
+def entries(path: Path) -> tuple[list[Entry], int, str]:
+    """Every framed record of a segment, damaged ones included (the framing goes on past a bad CRC),
+    -> (entries, where they end, why they end there: "" at the end of the file)."""
     data = memoryview(path.read_bytes())  # records are views of one read, not copies
-    records, pos = [], 0
-    while pos + _HEADER.size <= len(data):
+    out, pos, why = [], 0, ""
+    while pos < len(data):
+        if pos + _HEADER.size > len(data):
+            why = f"a torn record header at byte {pos}"
+            break
         magic, length, crc = _HEADER.unpack_from(data, pos)
         end = pos + _HEADER.size + length
-        if magic != MAGIC or end > len(data):
+        if magic != MAGIC or length < _META.size:
+            why = f"no record boundary at byte {pos} (damaged framing)"
+            break
+        if end > len(data):
+            why = f"a torn record at byte {pos}"
             break
         payload = data[pos + _HEADER.size : end]
         if crc32c.crc32c(payload) != crc:
-            break
-        step, table, n, width = _META.unpack_from(payload, 0)
-        ids = np.frombuffer(payload, "<u8", n, _META.size).astype(np.int64)
-        rows = np.frombuffer(payload, "<f4", n * width, _META.size + 8 * n).reshape(n, width)
-        records.append(LogRecord(step, table, ids, rows))
+            out.append(Entry(pos, None))
+        else:
+            step, table, n, width = _META.unpack_from(payload, 0)
+            if table == END:
+                out.append(Entry(pos, LogRecord(step, END, np.zeros(0, np.int64), np.zeros((0, width), np.float32))))
+            elif _META.size + 8 * n + 4 * n * width != length:
+                out.append(Entry(pos, None))
+            else:
+                ids = np.frombuffer(payload, "<u8", n, _META.size).astype(np.int64)
+                rows = np.frombuffer(payload, "<f4", n * width, _META.size + 8 * n).reshape(n, width)
+                out.append(Entry(pos, LogRecord(step, table, ids, rows)))
         pos = end
-    return records, pos
+    return out, pos, why
+
+
+def scan(path: Path) -> tuple[list[LogRecord], int]:
+    """Every whole, verified data record of a segment up to the first damaged one, and the byte
+    offset where the whole records end."""
+    out, end, _ = entries(path)
+    records = []
+    for e in out:
+        if e.record is None:
+            return records, e.offset
+        if e.record.table != END:
+            records.append(e.record)
+    return records, end
 
 
 class ShardLog:
@@ -198,7 +255,7 @@ class ShardLog:
         if before is not None:
             before.result()  # a segment switch queued ahead of these records is done
         t0 = time.perf_counter()
-        blob = b"".join(encode_record(step, t, ids, rows) for t, ids, rows in groups)
+        blob = encode_group(step, groups)
         file = self._file
         file.write(blob)
         file.flush()
@@ -242,6 +299,68 @@ class ShardLog:
                 if r.step > after_step and (up_to_step is None or r.step <= up_to_step):
                     yield r
 
+    def replay(self, after_step: int, need: int) -> tuple[list[LogRecord], int]:
+        """The records of every complete step after ``after_step``, as long as the steps run on
+        without a gap, and the last such step (``after_step`` if none). Raises ``LogGapError`` when
+        that last step is before ``need``: the log cannot bring the shard to the step it must reach,
+        and the error names the segment, the first step missing and why."""
+        segs = self.segments()
+        complete: dict[int, list[LogRecord]] = {}
+        damage: dict[int, tuple[Path, str]] = {}  # step -> where a record of or after it was damaged
+        read: list[Path] = []
+        for seg, nxt in zip(segs, [*segs[1:], None]):
+            if nxt is not None and self.first_step(nxt) <= after_step + 1:
+                continue
+            read.append(seg)
+            out, end, why = entries(seg)
+            pending: list[Entry] = []
+            last_step = self.first_step(seg) - 1  # the step of the last end record read
+            for e in out:
+                r = e.record
+                if r is None:
+                    damage.setdefault(last_step + 1, (seg, f"the record at byte {e.offset} fails its CRC"))
+                    pending.append(e)
+                    continue
+                if r.table != END:
+                    pending.append(e)
+                    continue
+                count = r.rows.shape[1]
+                group = pending[len(pending) - count :] if count else []
+                if len(pending) >= count and all(g.record is not None and g.record.step == r.step for g in group):
+                    complete.setdefault(r.step, []).extend(g.record for g in group)
+                last_step = max(last_step, r.step)
+                pending = []
+            if why:
+                damage.setdefault(last_step + 1, (seg, why))
+        last = after_step
+        while last + 1 in complete:
+            last += 1
+        if last < need:
+            raise LogGapError(self._gap(last + 1, need, read, damage))
+        return [r for step in range(after_step + 1, last + 1) for r in complete[step]], last
+
+    def _gap(self, step: int, need: int, read: list[Path], damage: dict[int, tuple[Path, str]]) -> str:
+        """Why ``step`` is not in the log, in one line."""
+        where = f"log of shard {self.shard}: step {step} cannot be rebuilt"
+        hit = [(s, d) for s, d in damage.items() if s <= step]
+        holders = [seg for seg in read if self.first_step(seg) <= step]
+        if hit:
+            seg, why = max(hit)[1]
+            cause = f"{seg}: {why}"
+        elif not holders:
+            first = f"the first segment left is {read[0].name}" if read else "no segment is left"
+            cause = f"{self.dir}: no segment holds it ({first}; the segments before were removed)"
+        else:
+            seg = holders[-1]
+            later = [s for s in read if self.first_step(s) > step]
+            cause = f"{seg}: it ends before step {step}" + (
+                f" and the next segment is {later[0].name} (a segment is missing)" if later else ""
+            )
+        return (
+            f"{where} ({cause}); the shard's updates of steps {step}..{need} are in no intact log, so it cannot "
+            f"be restored exactly: put the segment back and --resume, or start the run again"
+        )
+
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (a replayed step will write them again). A segment that
         starts after ``step`` goes: records of later steps are appended to the one open before it, and
@@ -252,9 +371,20 @@ class ShardLog:
                 seg.unlink()
                 removed = True
                 continue
-            records, _ = scan(seg)
-            keep = b"".join(encode_record(r.step, r.table, r.ids, r.rows) for r in records if r.step <= step)
-            if len(keep) != seg.stat().st_size:
+            out, end, _ = entries(seg)
+            data = seg.read_bytes()
+            bounds = [e.offset for e in out[1:]] + [end]
+            # the bytes up to the first record of a later step stay as they are, damaged records
+            # included (a replay that needs their steps names them); a torn tail goes
+            cut = next((e.offset for e in out if e.record is not None and e.record.step > step), end)
+            keep = [data[:cut]]
+            keep += [
+                data[e.offset : b]
+                for e, b in zip(out, bounds)
+                if e.offset >= cut and e.record is not None and e.record.step <= step
+            ]
+            keep = b"".join(keep)
+            if len(keep) != len(data):
                 write_atomic(seg, keep)
         if removed:
             fsync_dir(self.dir)

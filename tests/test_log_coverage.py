@@ -1,0 +1,107 @@
+"""A log replay proves it reached every step it needed: cuts, flipped bytes and missing segments
+inside the needed steps end in one ``LogGapError`` naming the file and the step; damage past them is
+harmless. Real files, the log's own writer."""
+
+import numpy as np
+import pytest
+
+from recovery.errors import LogGapError
+from recovery.log import ShardLog, entries
+
+ROW = np.ones((2, 3), np.float32)
+
+
+def write(tmp_path, segments=((1, range(1, 11)), (11, range(11, 21))), tables=(0, 1, 2)) -> ShardLog:
+    """Every step: one record per table (rows = step), then its end record."""
+    log = ShardLog(tmp_path, 0)
+    for first, steps in segments:
+        log.open_segment(first)
+        for step in steps:
+            log.append_step(step, [(t, np.array([t, 10 + t]), ROW * step) for t in tables])
+    log.close()
+    return log
+
+
+def test_a_whole_log_replays_every_step_and_an_empty_step_counts_as_complete(tmp_path):
+    log = ShardLog(tmp_path, 0)
+    log.open_segment(1)
+    for step in range(1, 6):
+        groups = [] if step == 3 else [(0, np.array([step]), ROW[:1] * step)]
+        log.append_step(step, groups)
+    log.close()
+    records, last = log.replay(0, 5)
+    assert last == 5 and [r.step for r in records] == [1, 2, 4, 5]
+    records, last = log.replay(2, 4)
+    assert last == 5 and [r.step for r in records] == [4, 5]
+
+
+def test_a_cut_in_the_tail_of_an_unneeded_step_is_harmless(tmp_path):
+    log = write(tmp_path)
+    seg = log.segments()[-1]
+    data = seg.read_bytes()
+    seg.write_bytes(data[:-30])  # step 20's last record is torn
+    records, last = log.replay(10, 19)
+    assert last == 19 and {r.step for r in records} == set(range(11, 20))
+
+
+def test_a_cut_inside_a_needed_step_names_the_file_and_the_step(tmp_path):
+    log = write(tmp_path)
+    seg = log.segments()[-1]
+    out, _, _ = entries(seg)
+    step18 = [e.offset for e in out if e.record is not None and e.record.step == 18]
+    seg.write_bytes(seg.read_bytes()[: step18[1] + 20])  # one whole record of step 18, then a torn one
+    with pytest.raises(LogGapError) as e:
+        log.replay(10, 19)
+    msg = str(e.value)
+    assert "step 18 cannot be rebuilt" in msg and seg.name in msg and "torn record" in msg
+    assert "steps 18..19" in msg
+    assert log.replay(10, 17)[1] == 17  # what is needed up to 17 is there
+
+
+def test_a_missing_middle_segment_is_named(tmp_path):
+    log = write(tmp_path, segments=((1, range(1, 6)), (6, range(6, 11)), (11, range(11, 16))))
+    s1, s6, s11 = log.segments()
+    s6.unlink()
+    with pytest.raises(LogGapError) as e:
+        log.replay(0, 14)
+    msg = str(e.value)
+    assert "step 6 cannot be rebuilt" in msg and s1.name in msg and "seg_0000000011.log" in msg and "missing" in msg
+
+
+def test_a_flipped_byte_mid_segment_is_found_even_when_later_records_verify(tmp_path):
+    log = write(tmp_path)
+    seg = log.segments()[0]
+    out, _, _ = entries(seg)
+    at = next(e.offset for e in out if e.record is not None and e.record.step == 4 and e.record.table == 1)
+    data = bytearray(seg.read_bytes())
+    data[at + 40] ^= 0x01  # inside the payload: the framing holds, the CRC does not
+    seg.write_bytes(bytes(data))
+    with pytest.raises(LogGapError) as e:
+        log.replay(0, 12)
+    msg = str(e.value)
+    assert "step 4 cannot be rebuilt" in msg and f"the record at byte {at} fails its CRC" in msg
+    assert log.replay(0, 3)[1] == 3
+
+
+def test_no_chain_from_step_one_when_the_first_segments_are_gone(tmp_path):
+    log = write(tmp_path)
+    log.segments()[0].unlink()
+    with pytest.raises(LogGapError, match="step 1 cannot be rebuilt.*no segment holds it"):
+        log.replay(0, 15)
+    assert log.replay(10, 15)[1] == 20  # from a checkpoint at 10 it is whole
+
+
+def test_truncation_keeps_damaged_records_for_the_replay_to_name(tmp_path):
+    log = write(tmp_path)
+    seg = log.segments()[0]
+    out, _, _ = entries(seg)
+    at = next(e.offset for e in out if e.record is not None and e.record.step == 4)
+    data = bytearray(seg.read_bytes())
+    data[at + 40] ^= 0x01
+    seg.write_bytes(bytes(data))
+    log.truncate_after(8)
+    assert [ShardLog.first_step(s) for s in log.segments()] == [1]
+    steps = {e.record.step for e in entries(seg)[0] if e.record is not None}
+    assert max(steps) == 8
+    with pytest.raises(LogGapError, match="fails its CRC"):
+        log.replay(0, 8)
