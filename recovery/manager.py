@@ -439,6 +439,10 @@ class RecoveryManager:
         if only is not None:
             at = np.flatnonzero(np.isin(shards, list(only)))
             keys, grads, shards = keys[at], grads[torch.from_numpy(at)], shards[at]
+        if self.logs:  # a shard of this writer's with no row in the step still logs the step (complete, empty)
+            touched = set(np.unique(shards).tolist())
+            for s in sorted(set(self.logs) - touched if only is None else set(only) & set(self.logs) - touched):
+                self.log_step(step, s, keys[:0], np.zeros((0, 0), np.float32), wait=not behind)
         if not len(keys):
             return
         try:
@@ -801,7 +805,10 @@ class RecoveryManager:
         rec["restored_bytes"] = self._restore_shard(shard, ckpt, lap)
         as_of = newest = base_step if ckpt is not None else -1
         if self.strategy.replays_log:
-            replayed, as_of = self._replay(shard, base_step, lap)
+            # the shard must come back as of every step before the phase's (and before the first
+            # step of a failed write-behind, which is redone): the log proves it reaches that far
+            need = min([step, *(st for _, st in self._redo.get(shard, []))]) - 1
+            replayed, as_of = self._replay(shard, base_step, need, lap)
             newest = max(newest, as_of)
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
@@ -887,20 +894,25 @@ class RecoveryManager:
         self.lost.append(rec["lost_samples"])
         return rec, at
 
-    def _replay(self, shard: int, after_step: int, lap: Callable[[str], None] = lambda _: None) -> tuple[int, int]:
-        """Write the shard's logged rows of steps after ``after_step`` back, in log order.
+    def _replay(
+        self, shard: int, after_step: int, need: int, lap: Callable[[str], None] = lambda _: None
+    ) -> tuple[int, int]:
+        """Write the shard's logged rows of the complete steps after ``after_step`` back, in log
+        order; the log must reach ``need`` (``LogGapError`` otherwise, before anything is written).
         -> (bytes replayed, the last step replayed or ``after_step``)."""
         if self.log_dir is None:
             raise RecoveryError("log recovery needs --log-dir")
         log = ShardLog(self.log_dir, shard)
-        replayed, last = 0, after_step
+        records, last = log.replay(after_step, need)
+        replayed = 0
         by_table: dict[int, tuple[list, list]] = {}
-        for r in log.records(after_step):
+        for r in records:
+            if not len(r.ids):
+                continue
             ids, rows = by_table.setdefault(r.table, ([], []))
             ids.append(r.ids)
             rows.append(r.rows)
             replayed += r.ids.nbytes + r.rows.nbytes
-            last = max(last, r.step)
         # every record holds whole rows (weights and state) as written: the newest record of a row is
         # its value at the failure, so one write of each row's newest record replays the log exactly
         groups = []
