@@ -7,6 +7,10 @@ Once they are all there, the thread that moves the next step's rows first rename
 ``dense_latest.pt`` (``committer``): the write-behind thread, or the training thread before a
 synchronous write; the training thread never waits for the file. On a restart the dense state is
 at step d and every shard is at d or d + 1 (the latter rolled back by its undo record).
+
+The file is ``magic "RDS1" | crc32c u32 | length u64`` and the ``torch.save`` bytes: a file whose
+checksum or length does not match raises ``CorruptCheckpointError`` on load, and the trainer
+resumes from the newest verified checkpoint instead (``Trainer.resume``).
 """
 
 from __future__ import annotations
@@ -14,13 +18,21 @@ from __future__ import annotations
 import io
 import math
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import torch
+
+from recovery.errors import CorruptCheckpointError
+from recovery.files import name_path
+
+MAGIC = b"RDS1"
+_HEADER = struct.Struct("<4sIQ")
 
 
 def _map(obj, leaf: Callable[[object], bool], fn: Callable):
@@ -188,13 +200,18 @@ class DenseSaver:
             # serialized in memory, then one write: ``torch.save`` into a file writes record by record
             # through Python (about 2 ms a step, holding the GIL, against 0.2 ms into memory)
             buf = io.BytesIO()
+            buf.write(bytes(_HEADER.size))
             torch.save(snapshot, buf)
+            data = buf.getbuffer()
+            payload = data[_HEADER.size :]
+            _HEADER.pack_into(data, 0, MAGIC, crc32c.crc32c(payload), len(payload))
+            del payload
             with open(tmp, "wb") as f:  # written while the step's rows may still be on their way
-                f.write(buf.getbuffer())
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException as e:  # noqa: BLE001 - surfaced by the next save, commit or wait
-            self._error = e
+            self._error = name_path(e, tmp) if isinstance(e, OSError) else e  # ENOSPC names no file
         self.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -222,7 +239,12 @@ class DenseSaver:
         """The saved state of this run (same namespace), or None."""
         if not self.path.exists():
             return None
-        state = torch.load(self.path, weights_only=True)
+        data = self.path.read_bytes()
+        magic, crc, length = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (b"", 0, -1)
+        payload = memoryview(data)[_HEADER.size :]
+        if magic != MAGIC or length != len(payload) or crc32c.crc32c(payload) != crc:
+            raise CorruptCheckpointError(f"{self.path} fails its checksum (damaged or cut short)")
+        state = torch.load(io.BytesIO(payload), weights_only=True)
         if state.get("namespace") != self.namespace:
             return None
         if "packed" in state:

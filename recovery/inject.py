@@ -10,6 +10,8 @@ seconds after training started, fired from a timer wherever the trainers are) or
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
 - ``corrupt-checkpoint:latest[@step=N]``  flip bytes in a shard file of the newest checkpoint at step N
                             (default: just before the first restore reads it)
+- ``corrupt-log:K@step=N``  flip a byte in the middle of shard K's newest log segment at the start of
+                            step N (a disk that damaged a record the log already holds)
 
 Each injection fires once per run: fired ones are appended to ``{run}/injections.jsonl`` (which also
 holds the run's time origin), so a restarted trainer group neither repeats nor forgets them.
@@ -38,16 +40,17 @@ _PATTERNS = {
     "trainer": re.compile(r"trainer:(\d+)@" + _WHEN),
     "node": re.compile(r"node:(\d+)@" + _WHEN),
     "corrupt-checkpoint": re.compile(r"corrupt-checkpoint:latest(?:@step=(\d+))?"),
+    "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
 }
 USAGE = (
     "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
-    f"during={'|'.join(PHASES)}) or corrupt-checkpoint:latest[@step=N]"
+    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N] or corrupt-log:K@step=N"
 )
 
 
 @dataclass(frozen=True)
 class Injection:
-    kind: str  # shard | stall | trainer | node | corrupt-checkpoint
+    kind: str  # shard | stall | trainer | node | corrupt-checkpoint | corrupt-log
     target: int | None
     step: int | None
     seconds: float = 0.0  # stall length
@@ -86,6 +89,8 @@ def parse_injection(spec: str) -> Injection:
         g = m.groups()
         if kind == "corrupt-checkpoint":
             return Injection(kind, None, int(g[0]) if g[0] else None)
+        if kind == "corrupt-log":
+            return Injection(kind, int(g[0]), int(g[1]))
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
         if during is not None and kind != "shard":
             raise InjectionSpecError(f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...)")
@@ -135,8 +140,10 @@ class Injector:
         run_dir: Path,
         world_size: int = 1,
         urls: list[str] | None = None,
+        log_dir: str | os.PathLike | None = None,
     ) -> None:
         self.injections = list(injections)
+        self.log_dir = Path(log_dir) if log_dir else None  # corrupt-log's target
         self.rank = rank
         self.world_size = world_size
         self.pidfiles = shard_pidfiles  # None for a shard reached only by URL
@@ -228,6 +235,9 @@ class Injector:
             if inj.kind == "corrupt-checkpoint":
                 if latest_checkpoint_file is not None and str(inj) not in self._fired:
                     self._corrupt(inj, latest_checkpoint_file)
+            elif inj.kind == "corrupt-log":
+                if str(inj) not in self._fired:
+                    self._corrupt(inj, lambda inj=inj: self._newest_segment(inj))
             elif inj.kind != "trainer":
                 if settle is not None:
                     settle()
@@ -249,6 +259,12 @@ class Injector:
             if inj.kind == "corrupt-checkpoint" and inj.step is None and self.rank == 0:
                 if str(inj) not in self._fired:
                     self._corrupt(inj, latest_checkpoint_file)
+
+    def _newest_segment(self, inj: Injection) -> Path | None:
+        if self.log_dir is None:
+            raise InjectionSpecError(f"--inject {inj}: the run keeps no update logs (--recovery log)")
+        segs = sorted((self.log_dir / f"shard{inj.target}").glob("seg_*.log"))
+        return segs[-1] if segs and segs[-1].stat().st_size else None
 
     def _corrupt(self, inj: Injection, latest_checkpoint_file) -> None:
         path = latest_checkpoint_file()

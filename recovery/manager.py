@@ -199,6 +199,7 @@ class RecoveryManager:
         self._redone: set[int] = set()
         self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self._seen_at: int | None = None  # commit_behind's step: failure records name it
+        self._phase = ""  # the phase whose failed shards rank 0 is restoring
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -646,6 +647,7 @@ class RecoveryManager:
         journaled as its shard comes back. A shard that fails during the recovery of another is
         recovered in the same round."""
         self._mark_in_recovery(failed)
+        self._phase = phase
         if self.strategy.rolls_back:
             rollback, rec = self._recover_full(failed, step)
             self._finish_record(rec, phase)
@@ -695,8 +697,13 @@ class RecoveryManager:
             kill_and_wait(pid)
 
     def _checkpoint_for(
-        self, shards: list[int], record: dict, lap: Callable[[str], None] = lambda _: None
+        self, shards: list[int], record: dict, step: int, lap: Callable[[str], None] = lambda _: None, whole=False
     ) -> Checkpoint | None:
+        """The newest checkpoint a restore at ``step`` (the failed phase's) may use whose files a
+        restore of ``shards`` needs verify: their snapshots, and with ``whole`` every file (the dense
+        state a rollback loads too). Corrupt ones are noted in ``record`` and passed over. A resume
+        uses none newer than its dense state (``step - 1``): a checkpoint's manifest exists only
+        once its step completed, so at any other phase one of ``step`` itself is whole."""
         if self.checkpointer is None:
             return None
         self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
@@ -708,7 +715,11 @@ class RecoveryManager:
             record.setdefault("corrupt_checkpoints", []).append(str(e))
 
         try:
-            return self.checkpointer.latest_verified(lambda c: [f"shard{s}.rdb" for s in shards], report)
+            return self.checkpointer.latest_verified(
+                lambda c: None if whole else [c.shard_file(s).name for s in shards],
+                report,
+                max_step=step - 1 if self._phase == "resume" else step,
+            )
         except NoCheckpointError:
             return None
 
@@ -798,7 +809,7 @@ class RecoveryManager:
         """-> (failure record, the step the shard's rows are now as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
         lap = Laps(rec)
-        ckpt = self._checkpoint_for([shard], rec, lap)
+        ckpt = self._checkpoint_for([shard], rec, step, lap)
         lap("checkpoint")
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
@@ -930,14 +941,13 @@ class RecoveryManager:
         rec = self._base_record(("shard", failed[0]), step)
         rec["kind"] = self._kind(failed[0])
         rec["failed_shards"] = failed
-        ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec)
+        ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec, step, whole=True)
         if ckpt is None:
             corrupt = "; ".join(rec.get("corrupt_checkpoints", [])) or "none was taken"
             where = self.checkpointer.dir if self.checkpointer is not None else "(checkpoints off)"
             raise RecoveryError(
                 f"full recovery of shards {failed} at step {step}: no verified checkpoint in {where} ({corrupt})"
             )
-        ckpt.verify()  # dense files too
         rec["restored_from_step"] = ckpt.step
         rec["restored_bytes"] = sum(self._restore_shard(s, ckpt) for s in range(self.store.num_shards))
         self._restore_steps = dict.fromkeys(range(self.store.num_shards), (ckpt.step, ckpt.step))
@@ -1001,12 +1011,13 @@ class RecoveryManager:
                 self._fail(s)
 
         done: set[int] = set()
-        strict = self.strategy.replays_log or self.strategy.rolls_back  # exact strategies
 
         def roll_back(only) -> None:
             """Each shard on its own to ``step``: undo ``step + 1``; a shard that cannot get there (dead,
-            no matching undo record, or behind ``step`` under an exact strategy, as a restore that its
-            trainers never acted on leaves it) is failed here and recovered by the protocol."""
+            empty, ahead by more than one write, or behind ``step``, as a restore that its trainers
+            never acted on or a server restarted from an old dump leaves it) is failed here and
+            recovered under the run's strategy, which counts what a partial one loses. A shard
+            recovered here is as of its restore (a log replay proves it reached ``step``)."""
             if self.rank != 0:
                 return
             for s in range(self.store.num_shards):
@@ -1018,7 +1029,7 @@ class RecoveryManager:
                     self.note(f"resume at step {step}: shard {s} unavailable")
                     continue
                 empty = applied is None and step > 0  # a server that came back empty (--resume): any strategy
-                if not recovered and (empty or (strict and applied is not None and applied < step)):
+                if not recovered and (empty or (applied is not None and applied < step)):
                     self.note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
                     self._fail(s)
                     continue

@@ -1,0 +1,184 @@
+"""Damaged files and stale servers never end in exit 0 with a wrong digest: each case ends bit-identical
+to the run without damage, with the loss counted exactly, or in one line naming the cause.
+
+Real processes and files: the CLI, its trainers and redis-servers; logs, checkpoints and the per-step
+dense state damaged on disk between a crash and ``--resume``. A crashed run is made once per strategy
+(a node failure twice with ``--max-restarts 1``: the second ends the run) and copied for each case; its
+local shards come back empty on resume, so every shard is rebuilt from what is on disk."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embeddings import LocalShards
+from recovery.log import ShardLog, encode_group, entries
+from tests.conftest import track, train_cli
+from tests.test_errors import one_error_line
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE = ["--steps", "40", "--trainers", "1", "--shards", "2", "--rows-per-table", "2000", "--batch-size", "256"]
+ONE += ["--embedding-dim", "8", "--eval-every", "0", "--eval-samples", "2048", "--log-every", "5"]
+CRASH = ["--checkpoint-every", "10", "--keep-checkpoints", "3", "--max-restarts", "1"]
+CRASH += ["--inject", "node:0@step=24", "--inject", "node:0@step=36"]
+
+
+def run(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def resume(out: Path) -> subprocess.CompletedProcess:
+    return run(out, "--resume", str(out))
+
+
+def crashed(out: Path, *flags: str) -> Path:
+    proc = run(out, *ONE, *CRASH, *flags)
+    assert proc.returncode == 1 and "all used" in proc.stderr, proc.stderr[-3000:]
+    return out
+
+
+def dense_step(out: Path) -> int:
+    data = (out / "checkpoints" / "dense_latest.pt").read_bytes()
+    return int(torch.load(io.BytesIO(data[16:]), weights_only=True)["step"])
+
+
+def flip(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def segment(out: Path, shard: int, first: int) -> Path:
+    return out / "logs" / f"shard{shard}" / f"seg_{first:010d}.log"
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict:
+    return train_cli(tmp_path_factory.mktemp("base"), *ONE)
+
+
+@pytest.fixture(scope="module")
+def crashed_log(tmp_path_factory) -> Path:
+    out = crashed(tmp_path_factory.mktemp("crash") / "run", "--recovery", "log")
+    assert dense_step(out) > 30  # the resume must replay steps after the checkpoint of step 30
+    return out
+
+
+@pytest.fixture
+def copy(tmp_path, crashed_log) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(crashed_log, out)
+    return out
+
+
+def test_the_crashed_run_resumes_bit_for_bit(copy, baseline):
+    s = train_cli(copy, "--resume", str(copy))
+    assert s["embedding_digest"] == baseline["embedding_digest"] and s["pls"] == 0.0
+
+
+def test_a_torn_record_of_a_step_the_resume_does_not_need_is_harmless(copy, baseline):
+    d = dense_step(copy)
+    for shard in (0, 1):
+        seg = ShardLog(copy / "logs", shard).segments()[-1]
+        torn = encode_group(d + 1, [(0, np.arange(4), np.ones((4, 9), np.float32))])
+        with open(seg, "ab") as f:
+            f.write(torn[: len(torn) // 2])
+    s = train_cli(copy, "--resume", str(copy))
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+
+
+def test_a_log_cut_inside_a_needed_step_stops_the_resume_naming_file_and_step(copy):
+    d = dense_step(copy)
+    seg = segment(copy, 1, 31)
+    out, _, _ = entries(seg)
+    at = [e.offset for e in out if e.record is not None and e.record.step == d]
+    seg.write_bytes(seg.read_bytes()[: at[1] + 20])  # one whole record of step d, then a torn one
+    line = one_error_line(resume(copy))
+    assert f"log of shard 1: step {d} cannot be rebuilt" in line and seg.name in line, line
+    assert not (copy / "summary.json").exists()
+
+
+def test_a_missing_middle_segment_stops_the_resume(copy):
+    """The newest checkpoint is corrupt: the restore falls back to step 20 and its replay needs the
+    segment of steps 21..30, which is gone."""
+    for shard in (0, 1):
+        flip(copy / "checkpoints" / f"step_{30:010d}" / f"shard{shard}.rdb")
+    segment(copy, 0, 21).unlink()
+    line = one_error_line(resume(copy))
+    assert "log of shard 0: step 21 cannot be rebuilt" in line and "a segment is missing" in line, line
+    assert "seg_0000000011.log" in line and "seg_0000000031.log" in line
+
+
+def test_every_checkpoint_corrupt_under_log_is_no_rebuild_from_empty(copy):
+    """No verified checkpoint: a shard could only be rebuilt from an empty one by a log chain from
+    step 1, and the segments before the oldest checkpoint were removed."""
+    for ckpt in (copy / "checkpoints").glob("step_*"):
+        for f in ckpt.glob("shard*.rdb"):
+            flip(f)
+    line = one_error_line(resume(copy))
+    assert "step 1 cannot be rebuilt" in line and "no segment holds it" in line, line
+
+
+def test_a_corrupt_dense_latest_falls_back_to_the_newest_verified_checkpoint(copy, baseline):
+    flip(copy / "checkpoints" / "dense_latest.pt")
+    proc = resume(copy)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "dense_latest.pt fails its checksum" in proc.stderr and "checkpoint of step 30" in proc.stderr
+    s = json.loads((copy / "summary.json").read_text())
+    assert s["embedding_digest"] == baseline["embedding_digest"] and s["pls"] == 0.0
+
+
+def test_a_byte_flipped_in_a_live_log_then_a_shard_kill_ends_in_one_line(tmp_path):
+    flags = ["--recovery", "log", "--checkpoint-every", "20", "--max-restarts", "0"]
+    flags += ["--inject", "corrupt-log:1@step=30", "--inject", "shard:1@step=35"]
+    line = one_error_line(run(tmp_path / "run", *ONE, *flags))
+    assert "log of shard 1: step" in line and "cannot be rebuilt" in line and "seg_0000000021.log" in line, line
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_corrupt_dense_checkpoint_under_full_falls_back_to_the_older_one(tmp_path, baseline):
+    out = crashed(tmp_path / "run", "--recovery", "full")
+    for f in (out / "checkpoints" / f"step_{30:010d}" / "dense").iterdir():
+        if f.stat().st_size > 64:
+            flip(f)
+    s = train_cli(out, "--resume", str(out))
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+    f = [f for f in s["failures"] if f["strategy"] == "full"][-1]  # the resume's (the node failures had theirs)
+    assert f["restored_from_step"] == 20 and "step 30" in " ".join(f["corrupt_checkpoints"]), f
+
+
+def test_a_stale_shard_under_partial_is_restored_and_its_loss_counted_exactly(tmp_path):
+    """A server restarted from an old dump (its marker at step 10, the dense state past 30) is behind:
+    the resume restores it from the newest checkpoint and counts the updates since, exactly (the log
+    kept beside the run counts them)."""
+    with LocalShards(2) as sh:
+        track(sh)
+        out = tmp_path / "run"
+        flags = ["--redis", ",".join(sh.urls), "--recovery", "partial", "--log-dir", str(tmp_path / "logs")]
+        flags += ["--checkpoint-every", "10", "--keep-checkpoints", "3", "--max-restarts", "1"]
+        flags += ["--inject", "trainer:0@step=24", "--inject", "trainer:0@step=36"]
+        proc = run(out, *ONE, *flags)
+        assert proc.returncode == 1 and "all used" in proc.stderr, proc.stderr[-3000:]
+        d = dense_step(out)
+        sh.kill(1)
+        shutil.copy(out / "checkpoints" / f"step_{10:010d}" / "shard1.rdb", sh.spec(1).rdb_path)
+        sh.restart(1)
+        track(sh)
+        s = train_cli(out, "--resume", str(out))
+    (f,) = [f for f in s["failures"] if f["strategy"] == "partial"]
+    assert f["target"] == 1 and f["restored_from_step"] == 30, f
+    logged = sum(len(r.ids) for r in ShardLog(tmp_path / "logs", 1).records(after_step=30, up_to_step=d))
+    assert f["lost_updates"] == logged > 0, (f, logged)
+    assert s["pls"] > 0
