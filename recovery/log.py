@@ -2,7 +2,7 @@
 
 File ``{log_dir}/shard{S}/seg_{first_step:010d}.log`` holds the updates applied to shard S from
 ``first_step`` on; a new segment starts after each checkpoint, and segments wholly older than the
-newest verified checkpoint are dropped.
+oldest checkpoint kept are dropped (a restore that falls back to it still replays exactly).
 
 Record::
 
