@@ -35,6 +35,17 @@ class StoreAuthError(EmbeddingStoreError):
         super().__init__(f"shard {shard} at {endpoint} rejected the credentials: {reason}")
 
 
+class ShardEvictedError(EmbeddingStoreError):
+    """A shard's server evicted keys during the run (``maxmemory`` with an ``allkeys-*`` policy), or
+    its policy changed to one that would: its rows may read back as never written. Not recoverable
+    like a failure while the server keeps evicting: the run stops (``RedisStore.check_evictions``)."""
+
+    def __init__(self, shard: int, endpoint: str, message: str) -> None:
+        self.shard = shard
+        self.endpoint = endpoint
+        super().__init__(f"shard {shard} at {endpoint}: {message}")
+
+
 class ShardDataError(EmbeddingStoreError):
     """A shard returned bytes that do not decode as rows of the expected width."""
 

@@ -5,17 +5,28 @@ Each shard is a real ``redis-server`` on a free loopback port, with Redis's own 
 the context manager stops every shard (SIGCONT, SIGTERM, then SIGKILL after a grace period),
 an ``atexit`` hook does the same on interpreter exit, and each server is started with
 ``PR_SET_PDEATHSIG=SIGKILL`` so the kernel kills it if this process dies without cleaning up.
+
+A replacement server that a trainer starts during a recovery (``spawn_shard(die_with_parent=False)``)
+must outlive that trainer but not the run: it is started by the shard supervisor of the
+``LocalShards`` (``embeddings.supervisor``), a child of the owner that dies with it (PDEATHSIG) and
+whose servers die with it (PDEATHSIG again), so a SIGKILL of the owner leaves no server behind.
+
+Each run's folder (``recsys-shards-*`` in the temp dir) records its owner (``owner``: pid, start
+time, pid namespace); ``LocalShards.start`` removes the folders whose owner is gone, stopping any
+server left there.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -167,25 +178,28 @@ def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tup
 def spawn_shard(spec: ShardSpec, *, die_with_parent: bool, timeout_s: float = 30.0) -> subprocess.Popen:
     """Start ``redis-server`` for ``spec`` and wait until it serves; it loads ``spec.rdb_path`` if present.
 
-    ``die_with_parent=False`` starts it in its own session so that it outlives the calling
-    process (a replacement started by a trainer); its pid goes to ``spec.pidfile`` so the
-    ``LocalShards`` that owns the folder stops it at the end.
+    ``die_with_parent=False`` makes it outlive the calling process (a replacement started by a
+    trainer) but not the run: the shard supervisor of the ``LocalShards`` that owns the folder
+    starts it (it dies with that owner); a folder without one (shards started by hand) gets a
+    server in its own session. Its pid goes to ``spec.pidfile`` so the owner stops it at the end.
     """
     conf = write_shard_config(spec)
     _wait_port_free(spec.host, spec.port, timeout_s)
-    env = None
-    if spec.huge_pages:  # jemalloc asks for 2 MB pages (madvise), which THP "madvise" or "always" grants
-        env = {**os.environ, "MALLOC_CONF": "thp:always"}
-    proc = subprocess.Popen(
-        [spec.binary, str(conf)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent if die_with_parent else None,
-        start_new_session=not die_with_parent,
-    )
-    spec.pidfile.write_text(str(proc.pid))
+    extra = {"MALLOC_CONF": "thp:always"} if spec.huge_pages else {}  # jemalloc asks for 2 MB pages
+    address = None if die_with_parent else supervisor_address(Path(spec.workdir).parent)
+    if address is not None:
+        proc = _supervised_spawn(spec, address, [spec.binary, str(conf)], extra, timeout_s)
+    else:
+        proc = subprocess.Popen(
+            [spec.binary, str(conf)],
+            env={**os.environ, **extra} if extra else None,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+            start_new_session=not die_with_parent,
+        )
+        spec.pidfile.write_text(str(proc.pid))
     ok, why = wait_ready(spec, proc, timeout_s)
     if not ok:
         _stop_process(proc)
@@ -210,7 +224,60 @@ def _wait_port_free(host: str, port: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _stop_process(proc: subprocess.Popen) -> None:
+class _Child:
+    """A server the shard supervisor started: not our child, known by its pid (``poll`` as Popen's)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: str | None = None
+
+    def poll(self) -> str | None:
+        if self.returncode is None and process_state(self.pid) in (None, "Z"):
+            self.returncode = "a status its supervisor saw"
+        return self.returncode
+
+
+SUPERVISOR_FILE = "supervisor.addr"  # in a LocalShards folder: its supervisor's socket name
+
+
+def supervisor_address(root: Path) -> str | None:
+    """The socket name of the shard supervisor of the ``LocalShards`` folder ``root``, or None."""
+    try:
+        return (root / SUPERVISOR_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _supervised_spawn(spec: ShardSpec, address: str, argv: list[str], env: dict, timeout_s: float) -> _Child:
+    req = {"argv": argv, "env": env, "pidfile": str(spec.pidfile)}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout_s)
+            s.connect("\0" + address)
+            s.sendall(json.dumps(req).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    raise ConnectionError("it closed the connection without an answer")
+                buf += chunk
+        reply = json.loads(buf)
+    except (OSError, ValueError) as e:
+        owner = read_owner(Path(spec.workdir).parent)
+        who = f" (pid {owner[0]})" if owner else ""
+        raise LauncherError(
+            f"shard {spec.index}: the shard supervisor of {Path(spec.workdir).parent} does not answer "
+            f"({e}): the process that started the shards{who} is gone, so no replacement is started"
+        ) from None
+    if "pid" not in reply:
+        raise LauncherError(f"shard {spec.index}: the shard supervisor could not start {argv[0]}: {reply.get('error')}")
+    return _Child(int(reply["pid"]))
+
+
+def _stop_process(proc: subprocess.Popen | _Child) -> None:
+    if isinstance(proc, _Child):
+        kill_and_wait(proc.pid)
+        return
     if proc.poll() is None:
         proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
         proc.terminate()
@@ -284,6 +351,116 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+# -- run folders and their owners -------------------------------------------------------------
+FOLDER_PREFIX = "recsys-shards-"
+OWNER_FILE = "owner"  # "PID STARTTIME PIDNS" of the process that owns the folder (its LocalShards)
+UNOWNED_GRACE_S = 600.0  # a folder without an owner (older code, or one being created) is left this long
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22): with the pid,
+    it names one process, not whichever reuses its pid later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "?"
+
+
+def record_owner(root: Path, pid: int | None = None) -> None:
+    """Write ``root/owner``: this process (or ``pid``) owns the folder while it lives."""
+    pid = os.getpid() if pid is None else pid
+    (Path(root) / OWNER_FILE).write_text(f"{pid} {process_start_time(pid)} {_pid_namespace()}\n")
+
+
+def read_owner(root: Path) -> tuple[int, int | None] | None:
+    """(pid, start time or None) of the folder's owner; None without an owner file."""
+    try:
+        fields = (Path(root) / OWNER_FILE).read_text().split()
+        return int(fields[0]), (int(fields[1]) if fields[1:] and fields[1] != "None" else None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def owner_alive(root: Path) -> bool:
+    """The folder's owner lives, or may (it is in another pid namespace: a container sharing the
+    temp dir, whose processes cannot be seen from here)."""
+    try:
+        fields = (Path(root) / OWNER_FILE).read_text().split()
+    except OSError:
+        return False
+    if fields[2:] and fields[2] != _pid_namespace():
+        return True
+    owner = read_owner(root)
+    if owner is None or process_state(owner[0]) in (None, "Z"):
+        return False
+    return owner[1] is None or process_start_time(owner[0]) == owner[1]
+
+
+def folder_servers(root: Path) -> list[int]:
+    """Live ``redis-server`` processes of the shard folder ``root``: those whose working directory
+    lies in it (a server chdirs to its shard's folder as it reads its config; a pidfile's pid may
+    since name another process)."""
+    root = Path(root).resolve()
+    pids: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{entry.name}/cwd")
+            except OSError:  # gone, or not ours to look at
+                continue
+            if cwd == str(root) or cwd.startswith(str(root) + os.sep):
+                pids.add(int(entry.name))
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"redis-server" in cmd and process_state(pid) not in (None, "Z"):
+            out.append(pid)
+    return sorted(out)
+
+
+def remove_stale_folders(parent: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the ``recsys-shards-*`` folders in ``parent`` (default: the temp dir) whose owner is
+    gone, after stopping any server still running there; never one of a live owner. A folder with
+    no owner file is removed only when it is older than ``UNOWNED_GRACE_S`` and no server runs in
+    it. Returns the folders removed."""
+    parent = Path(parent or tempfile.gettempdir())
+    removed = []
+    try:
+        candidates = [p for p in parent.glob(FOLDER_PREFIX + "*") if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return removed
+    for root in candidates:
+        owner = read_owner(root)
+        try:
+            if owner is None and time.time() - root.stat().st_mtime < UNOWNED_GRACE_S:
+                continue
+        except OSError:
+            continue
+        if owner is not None and owner_alive(root):
+            continue
+        servers = folder_servers(root)
+        if owner is None and servers:
+            continue  # a live run of code that wrote no owner
+        for pid in servers:
+            kill_and_wait(pid)
+        shutil.rmtree(root, ignore_errors=True)
+        if not root.exists():
+            removed.append(root)
+    return removed
+
+
 class LocalShards:
     """``num_shards`` local Redis servers. Use as a context manager.
 
@@ -324,14 +501,19 @@ class LocalShards:
         self.with_replicas = replicas
         self.huge_pages = huge_pages
         self._replicas: list[_Shard] = []  # one per shard with replicas=True: replicaof the shard
+        self._supervisor: subprocess.Popen | None = None
+        self._supervisor_address = ""
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> LocalShards:
         if self._shards:
             return self
-        self._root = Path(tempfile.mkdtemp(prefix="recsys-shards-"))
+        remove_stale_folders()
+        self._root = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
         _LIVE.add(self)
         try:
+            record_owner(self._root)
+            self._start_supervisor()
             for i in range(self.num_shards):
                 workdir = self._root / f"shard{i}"
                 workdir.mkdir()
@@ -346,15 +528,41 @@ class LocalShards:
                 self._spawn(rep, new_port=True)
             for i in range(len(self._replicas)):
                 self.await_replica(i)
+            self._await_supervisor()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _start_supervisor(self) -> None:
+        """The parent of the replacement servers trainers start (``embeddings.supervisor``): it dies
+        with this process, and they with it. Started here, awaited once the shards run."""
+        address = f"recsys-shard-supervisor-{os.getpid()}-{self._root.name}"
+        self._supervisor = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(Path(__file__).with_name("supervisor.py")), address, str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,  # Ctrl-C reaches the run, not the servers it must stop itself
+        )
+        self._supervisor_address = address
+
+    def _await_supervisor(self) -> None:
+        proc = self._supervisor
+        line = proc.stdout.readline() if proc is not None else b""
+        if proc is not None:
+            proc.stdout.close()
+        if line.strip() != b"ready":
+            raise LauncherError(f"the shard supervisor did not start (exit status {proc and proc.poll()})")
+        (self._root / SUPERVISOR_FILE).write_text(self._supervisor_address)
+
     def stop(self) -> None:
         for shard in self._shards + self._replicas:
             self._terminate(shard)
         self._shards, self._replicas = [], []
+        if self._supervisor is not None:  # its servers die with it (none is left after the above)
+            _stop_process(self._supervisor)
+            self._supervisor = None
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None

@@ -15,6 +15,7 @@ given prefix; other value types are skipped, LZF-compressed strings are decompre
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -27,7 +28,19 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from embeddings.errors import ShardDataError, ShardUnavailableError
+from embeddings.errors import EmbeddingStoreError, ShardDataError, ShardUnavailableError
+
+# a failed write of the snapshot file (not of the socket): the disk's fault, raised as is
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM}
+
+
+class SnapshotRefusedError(EmbeddingStoreError):
+    """The server answered the snapshot request with an error (an ACL without SYNC: NOPERM): it
+    runs, and will refuse every snapshot."""
+
+
+class _Refused(Exception):
+    pass
 
 
 class NetworkSnapshot:
@@ -106,7 +119,7 @@ class NetworkSnapshot:
                 line, _, rest = bytes(buf).partition(b"\r\n")
                 buf = bytearray(rest)
                 if line.startswith(b"-"):
-                    raise ConnectionError(line[1:].decode(errors="replace"))
+                    raise _Refused(line[1:].decode(errors="replace"))
                 if line.startswith(b"$"):
                     break
             if line.startswith(b"$EOF:"):
@@ -130,6 +143,8 @@ class NetworkSnapshot:
             os.replace(tmp, self.dest)
             self.result = (h.hexdigest(), size)
         except BaseException as e:  # noqa: BLE001 - surfaced by start()/finish()
+            if isinstance(e, OSError) and e.errno in _DISK_ERRNOS and e.filename is None:
+                e.filename = str(self.dest.with_name(self.dest.name + ".part"))  # a failed write names none
             self._error = e
         finally:
             self._header.set()
@@ -139,6 +154,12 @@ class NetworkSnapshot:
         if self._thread is not None:
             self._thread.join()
         self.close()
+        if isinstance(self._error, _Refused):
+            raise SnapshotRefusedError(
+                f"shard {self.shard} at {self.endpoint} refused the snapshot over the network (SYNC): {self._error}"
+            )
+        if isinstance(self._error, OSError) and self._error.errno in _DISK_ERRNOS:
+            raise self._error
         if self._error is not None or self.result is None:
             raise self._unavailable(str(self._error or "no snapshot"))
         return self.result

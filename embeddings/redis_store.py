@@ -28,9 +28,11 @@ from redis.crc import key_slot
 
 from embeddings import rowkeys
 from embeddings.cluster import is_cluster_url, node_url, owner_of, owners, seed_urls, shard_tags
-from embeddings.endpoints import one_try, redact
+from embeddings.endpoints import POLICY_FIX, one_try, policy_problem, redact, server_state
 from embeddings.errors import (
+    EndpointError,
     ShardDataError,
+    ShardEvictedError,
     ShardTimeoutError,
     ShardUnavailableError,
     StoreAuthError,
@@ -128,6 +130,7 @@ class RedisStore(StoreBase):
             0  # rows of restored shards: held again, absent, read
         )
         self._behind: Future | None = None  # write_behind in flight (its commit point: join_behind)
+        self._evictions: dict[int, tuple[str, int | None]] = {}  # shard -> (server run_id, evicted_keys) noted
 
     def _new_pool(self, url: str) -> redis.ConnectionPool:
         pool = redis.ConnectionPool.from_url(url, **self._kwargs)
@@ -203,6 +206,64 @@ class RedisStore(StoreBase):
             except ShardUnavailableError:
                 out.append(False)
         return out
+
+    # -- evictions (connect and commit points, never per step) ------------------------------------
+    def watch_evictions(self) -> None:
+        """At connect: refuse a shard whose ``maxmemory-policy`` can evict the run's rows (``EndpointError``:
+        shard, endpoint, policy, fix) and note each shard's ``evicted_keys``, the baseline
+        ``check_evictions`` compares with. A shard that does not answer now is noted when it does."""
+        for s in range(self.num_shards):
+            try:
+                self._note_server(s, self.call(s, server_state))
+            except ShardUnavailableError:
+                continue  # dead now: the recovery protocol meets it at its first call
+
+    def check_evictions(self, resume: str | None = None, why_not: str = "") -> None:
+        """At a commit point (rank 0 after a checkpoint's forks, and at the end): one INFO per shard.
+
+        A server that evicted keys since its baseline lost rows of the run, which would read back as
+        never written and be initialised again (unless it runs a volatile-* policy now: those evict
+        only keys with a TTL, none of the run's, and the baseline moves on). The recovery protocol
+        cannot repair that while the server keeps evicting (a restore would be evicted in turn), so
+        the run stops with one line (``ShardEvictedError``): the shard, its endpoint, how many keys,
+        the fix, and what then:
+        ``resume`` (``--resume DIR``), for which the shard's applied marker is dropped first, so that
+        the resumed run finds it at no step and restores it under its strategy; else a new run
+        (``why_not``: why this one cannot be resumed). A policy that evicts, set since the connect,
+        stops the run too, nothing lost yet (the marker stays). A server replaced since (a restore, a
+        restart by its supervisor, a promoted replica: another ``run_id``) gets a new baseline, its
+        policy checked as at connect. A dead shard raises ``ShardUnavailableError``: call it under
+        the protocol."""
+        for s in range(self.num_shards):
+            state = self.call(s, server_state)
+            base = self._evictions.get(s)
+            if base is None or base[0] != state["run_id"] or base[1] is None:
+                self._note_server(s, state)
+                continue
+            policy, evicted = state["maxmemory_policy"], state["evicted_keys"]
+            then = f"then finish the run with {resume}" if resume else f"then run it again ({why_not})"
+            if evicted is not None and evicted > base[1] and not policy.startswith("volatile-"):
+                if resume:
+                    with contextlib.suppress(ShardUnavailableError, StoreAuthError, ShardDataError):
+                        self.call(s, lambda c, s=s: c.delete(self.meta_key("applied", s)))
+                    then += ", which restores the shard first"
+                raise ShardEvictedError(
+                    s,
+                    self.endpoints[s],
+                    f"the server evicted {evicted - base[1]} keys during the run (maxmemory-policy {policy}): "
+                    f"rows of the run are lost there and would read back as never written; run `{POLICY_FIX}` "
+                    f"on it, {then}",
+                )
+            problem = policy_problem(policy)
+            if problem:
+                raise ShardEvictedError(s, self.endpoints[s], f"set during the run: {problem}; {then}")
+            self._evictions[s] = (base[0], evicted)  # keys with a TTL (volatile-*), another tenant's: not ours
+
+    def _note_server(self, shard: int, state: dict) -> None:
+        problem = policy_problem(state["maxmemory_policy"])
+        if problem:
+            raise EndpointError(f"shard {shard} at {self.endpoints[shard]}: {problem}")
+        self._evictions[shard] = (state["run_id"], state["evicted_keys"])
 
     # -- StoreBase hooks -----------------------------------------------------------------
     def _fetch(self, requests: IdsByTable):

@@ -11,6 +11,13 @@ a shard known only by its URL forks for a replication full sync and the snapshot
 the network (``embeddings.rdb.NetworkSnapshot``). The dense state goes through DCP. A background
 thread then waits for the snapshots, writes them into the folder while hashing them, fsyncs,
 writes the manifest, and drops checkpoints beyond ``keep``.
+
+A checkpoint that fails on the way (a full disk, a server that refuses the snapshot, a shard that
+dies under it) is abandoned: it never gets a manifest and the previous one stays the newest. An
+abandonment for a cause that repeats (anything but a shard failure, which its failure record and
+the recovery account for) is one warning line on rank 0 naming the file and the cause
+(``Checkpointer.warn``); ``max_abandoned`` of them in a row stop the run at the next checkpoint
+(``check_abandoned``): past that, every step trained is one a shard failure would lose.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ from pathlib import Path
 
 import redis
 
-from embeddings.errors import EmbeddingStoreError
-from embeddings.launcher import ShardSpec
+from embeddings.errors import EmbeddingStoreError, ShardUnavailableError
+from embeddings.launcher import ShardSpec, _log_tail
 from recovery.dense import clone_state
-from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
-from recovery.files import fsync_dir, write_atomic
+from recovery.errors import CheckpointsAbandonedError, CorruptCheckpointError, NoCheckpointError, RecoveryError
+from recovery.files import fsync_dir, name_path, write_atomic
 
 MANIFEST = "manifest.json"
 
@@ -49,13 +56,18 @@ def copy_hashed(src: Path, dst: Path) -> tuple[str, int]:
     (an old one is unlinked, not overwritten: it may be a link a restored shard was started from)."""
     h, n = hashlib.sha256(), 0
     dst.unlink(missing_ok=True)
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        while block := fi.read(1 << 22):
-            h.update(block)
-            fo.write(block)
-            n += len(block)
-        fo.flush()
-        os.fsync(fo.fileno())
+    with open(src, "rb") as fi:
+        try:
+            with open(dst, "wb") as fo:
+                while block := fi.read(1 << 22):
+                    h.update(block)
+                    fo.write(block)
+                    n += len(block)
+                fo.flush()
+                os.fsync(fo.fileno())
+        except OSError as e:  # a failed write (ENOSPC) names no file: this one
+            name_path(e, dst)
+            raise
     return h.hexdigest(), n
 
 
@@ -115,6 +127,47 @@ class SaveStats:
     total_s: float = 0.0
     bytes: int = 0
     abandoned: str = ""
+    """Why the checkpoint was abandoned (the error's type, the cause and the file), or ""."""
+    repeats: bool = False
+    """Abandoned for a cause that repeats (a disk, a setting), not a shard failure: counts towards
+    ``Checkpointer.max_abandoned``."""
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _newest_file(folder: Path) -> Path | None:
+    try:
+        files = [p for p in folder.rglob("*") if p.is_file()]
+        return max(files, key=lambda p: p.stat().st_mtime_ns) if files else None
+    except OSError:
+        return None
+
+
+def abandon_cause(e: BaseException, path: Path) -> tuple[str, bool]:
+    """-> (why a checkpoint at ``path`` failed, naming the file; whether the cause repeats: anything
+    but a shard that failed under it, whose recovery the protocol runs)."""
+    if type(e).__name__ == "CheckpointException":  # DCP's wrapper of its writers' errors
+        inner = [x[0] for x in getattr(e, "failures", {}).values() if isinstance(x, tuple) and x]
+        e = inner[0] if inner else e
+    for x in _chain(e):  # DCP's writer reports a failed write as an opaque RuntimeError
+        if isinstance(x, OSError) and x.errno and not isinstance(x, ConnectionError):
+            where = x.filename or _newest_file(path / "dense") or path
+            return f"{x.strerror or x}: {where}", True
+    if isinstance(e, (ShardUnavailableError, redis.ConnectionError, redis.TimeoutError)):
+        return str(e), False
+    return (str(e).strip().splitlines() or [type(e).__name__])[0], True
+
+
+def _warn(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 class Checkpointer:
@@ -161,6 +214,9 @@ class Checkpointer:
         self._begun: tuple[int, float, dict[int, int]] | None = None
         self.on_fork: Callable[[int], None] = lambda shard: None  # after each shard's fork (injection)
         self.history: list[SaveStats] = []
+        self.warn: Callable[[str], None] = _warn  # the line of an abandoned checkpoint (rank 0)
+        self.max_abandoned = 3  # abandoned in a row (for a cause that repeats) stop the run; 0: never
+        self.abandoned_in_row: list[SaveStats] = []
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:010d}"
@@ -272,17 +328,29 @@ class Checkpointer:
             ckpt = Checkpoint(step, path, files, meta)
             for old in list_checkpoints(self.dir, self.run)[self.keep :]:
                 shutil.rmtree(old.path, ignore_errors=True)
+            self.abandoned_in_row = []
             self.on_saved(ckpt)
-        except (redis.RedisError, OSError, RecoveryError, EmbeddingStoreError) as e:
-            # a shard failed before its snapshot was safe: this checkpoint is abandoned (it never
-            # gets a manifest); the previous one stays the newest
-            stats.abandoned = f"{type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - abandoned, or surfaced by wait()
+            if not isinstance(e, (redis.RedisError, OSError, RecoveryError, EmbeddingStoreError)) and (
+                type(e).__name__ != "CheckpointException"  # DCP's (a BaseException): a failed write
+            ):
+                self._error = e
+                return
+            # a shard failed before its snapshot was safe, a disk filled up, a server refused: this
+            # checkpoint is abandoned (it never gets a manifest); the previous one stays the newest
+            cause, stats.repeats = abandon_cause(e, path)
+            stats.abandoned = f"{type(e).__name__}: {cause}"
             for v in saves_before.values():
                 if not isinstance(v, int):
                     v.close()
             shutil.rmtree(path, ignore_errors=True)
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self._error = e
+            if not stats.repeats:  # a shard failed under it: its failure record and recovery say so
+                return
+            self.abandoned_in_row.append(stats)
+            try:
+                self.warn(f"warning: checkpoint at step {step} abandoned: {cause}")
+            except Exception:  # noqa: BLE001 - a closed terminal must not fail the run
+                pass
 
     def _wait_snapshot(self, spec: ShardSpec, saves_before: int) -> None:
         deadline = time.monotonic() + self.snapshot_timeout_s
@@ -290,10 +358,28 @@ class Checkpointer:
             info = self.store.call(spec.index, lambda c: c.info("persistence"))
             if int(info["rdb_saves"]) > saves_before and int(info["rdb_bgsave_in_progress"]) == 0:
                 if info["rdb_last_bgsave_status"] != "ok":
-                    raise RecoveryError(f"shard {spec.index} (port {spec.port}): background snapshot failed")
+                    raise RecoveryError(
+                        f"shard {spec.index} (port {spec.port}): background snapshot to {spec.rdb_path} failed "
+                        f"(its log: {_log_tail(spec)})"
+                    )
                 return
             time.sleep(0.01)
         raise RecoveryError(f"shard {spec.index} (port {spec.port}): snapshot not done in {self.snapshot_timeout_s}s")
+
+    def check_abandoned(self) -> None:
+        """Before a checkpoint: raise ``CheckpointsAbandonedError`` once the last ``max_abandoned``
+        checkpoints were all abandoned for a cause that repeats (waits for the one in flight)."""
+        self.settle()
+        failed = self.abandoned_in_row
+        if not self.max_abandoned or len(failed) < self.max_abandoned:
+            return
+        done = [s.step for s in self.history if not s.abandoned and s.total_s > 0]
+        last = f"the last complete one is of step {done[-1]}" if done else "none is complete"
+        raise CheckpointsAbandonedError(
+            f"{len(failed)} checkpoints in a row were abandoned (steps {', '.join(str(s.step) for s in failed)}; "
+            f"{last}): {failed[-1].abandoned.split(': ', 1)[-1]}; stopping before a shard failure loses more "
+            f"steps (--max-abandoned-checkpoints {self.max_abandoned}; 0: never stop)"
+        )
 
     def settle(self) -> None:
         """Block until the checkpoint in flight is complete (its error stays for ``wait``)."""
@@ -325,9 +411,13 @@ class Checkpointer:
         self,
         names: Callable[[Checkpoint], list[str] | None] = lambda c: None,
         on_corrupt: Callable[[CorruptCheckpointError], None] = lambda e: None,
+        max_step: int | None = None,
     ) -> Checkpoint:
-        """The newest checkpoint whose files (``names(c)``, default all) verify; corrupt ones are reported and skipped."""
+        """The newest checkpoint (of step ``max_step`` or before) whose files (``names(c)``, default
+        all: shard snapshots and dense files) verify; corrupt ones are reported and skipped."""
         for c in self.candidates():
+            if max_step is not None and c.step > max_step:
+                continue
             try:
                 c.verify(names(c))
                 return c

@@ -11,6 +11,11 @@ class CorruptCheckpointError(RecoveryError):
     """A checkpoint file whose bytes do not match its manifest: never load it."""
 
 
+class CheckpointsAbandonedError(RecoveryError):
+    """Several checkpoints in a row failed (a full disk, a refused snapshot): the run stops before
+    a shard failure loses every step since the last complete one."""
+
+
 class NoCheckpointError(RecoveryError):
     """No complete, verified checkpoint to restore from."""
 

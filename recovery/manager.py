@@ -179,6 +179,7 @@ class RecoveryManager:
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
         self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
+        self._started_empty: set[int] = set()  # local shards a --resume started anew (empty): restored, not failed
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
         self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
@@ -803,6 +804,8 @@ class RecoveryManager:
         }
 
     def _kind(self, shard: int) -> str:
+        if shard in self._started_empty:
+            return "resume"  # the run's local servers ended with it: the resume restores the new ones
         return self.injector.kind_of(shard) if self.injector is not None else "shard"
 
     def _recover_one(self, shard: int, step: int) -> tuple[dict, int]:
@@ -1031,6 +1034,8 @@ class RecoveryManager:
                 empty = applied is None and step > 0  # a server that came back empty (--resume): any strategy
                 if not recovered and (empty or (applied is not None and applied < step)):
                     self.note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
+                    if empty and s in self._local and not self._flags[s]:  # --resume started it: nothing failed
+                        self._started_empty.add(s)
                     self._fail(s)
                     continue
                 try:
@@ -1047,6 +1052,7 @@ class RecoveryManager:
         if self.injector is not None:
             self.injector.during("resume")
         out = self.run_phase(step + 1, "resume", roll_back)
+        self._started_empty.clear()  # from here on an empty shard is a failure
         last_checkpoint = max(c for c in self.counter.at_step if c <= step) if self.checkpointer is not None else step
         for log in self.logs.values():
             log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1)

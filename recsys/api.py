@@ -179,11 +179,19 @@ def load_run(path: str | Path) -> Run:
     return Run(p, cfg, summary)
 
 
-def train(cfg: RunConfig | str | Path | None = None, *, resume: bool = False, **overrides: Any) -> Run:
+def train(
+    cfg: RunConfig | str | Path | None = None,
+    *,
+    resume: bool = False,
+    take_over_namespace: bool = False,
+    **overrides: Any,
+) -> Run:
     """Train one run (start local shards when ``redis=local``, launch the trainers, clean up).
 
     ``cfg``: a RunConfig, a TOML path or None (defaults); ``overrides`` as for ``configure``.
     ``resume``: finish the run in ``cfg``'s folder that stopped (see ``--resume``).
+    ``take_over_namespace``: the namespace's claim is another run's that is gone: its keys are
+    deleted and the namespace claimed (see ``--take-over-namespace``).
     Returns the run; its ``summary`` is None on ranks other than 0 under torchrun."""
     import os
 
@@ -194,15 +202,22 @@ def train(cfg: RunConfig | str | Path | None = None, *, resume: bool = False, **
     else:
         cfg = configure(cfg, **overrides)
     under = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-    summary = launch_run(cfg, under_launcher=under, resume=resume)
+    summary = launch_run(cfg, under_launcher=under, resume=resume, take_over_namespace=take_over_namespace)
     return Run(Path(cfg.train.out), cfg, Summary.from_dict(summary) if summary is not None else None)
 
 
-def resume(run_dir: str | Path, **overrides: Any) -> Run:
-    """Finish a run that stopped (a shard that did not come back, Ctrl-C) from its folder."""
-    from recsys.launch import resume_config
+def resume(run_dir: str | Path, *, take_over_namespace: bool = False, **overrides: Any) -> Run:
+    """Finish a run that stopped (a shard that did not come back, Ctrl-C) from its folder.
 
-    return train(configure(base=resume_config(run_dir), **overrides), resume=True)
+    A finished run is refused (its results are kept), and so is an override of a setting the run
+    must keep (``recsys.rundir.RESUME_MAY_CHANGE`` lists those that may change)."""
+    from recsys.launch import resume_config
+    from recsys.rundir import check_resume
+
+    base = resume_config(run_dir)
+    cfg = configure(base=base, **overrides)
+    check_resume(base, cfg, f"resume({str(run_dir)!r})", lambda key: key.split(".", 1)[1])
+    return train(cfg, resume=True, take_over_namespace=take_over_namespace)
 
 
 def bench_recovery(**options: Any) -> list[dict]:

@@ -61,6 +61,7 @@ class StoreBackend:
             timeout_s=cfg.embeddings.timeout_s,
             replica_urls=cfg.embeddings.replica_urls or None,
         )
+        self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
             self.store.hold_rows(mine, cfg.embeddings.held_rows_mb << 20)

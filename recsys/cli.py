@@ -19,6 +19,7 @@ from embeddings.launcher import LauncherError
 from recovery.errors import RecoveryError
 from recsys.config import ConfigError, RunConfig
 from recsys.errors import TrainerFailed, one_line, report_error
+from recsys.rundir import RESUME_MAY_CHANGE
 
 KNOWN_ERRORS = (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError)
 
@@ -121,6 +122,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     ),
     "--checkpoint-dir": ("recovery", "checkpoint_dir", str, "checkpoint folder (default OUT/checkpoints)"),
     "--keep-checkpoints": ("recovery", "keep_checkpoints", int, "checkpoints kept"),
+    "--max-abandoned-checkpoints": (
+        "recovery",
+        "max_abandoned_checkpoints",
+        int,
+        "checkpoints abandoned in a row (disk full, snapshot refused; each a warning line) before the run "
+        "stops with an error (0: never)",
+    ),
     "--log-dir": ("recovery", "log_dir", str, "per-shard update logs (default OUT/logs with --recovery log)"),
     "--log-fsync": ("recovery", "log_fsync", str, "log durability: always | every:N (ms) | none"),
     "--shard-restart-timeout": (
@@ -138,6 +146,19 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
 }
 
 
+# config field -> the flag that sets it (the switches besides FLAGS included)
+_FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS.items()} | {
+    "embeddings.prefetch": "--no-prefetch",
+    "embeddings.write_behind": "--no-write-behind",
+    "embeddings.huge_pages": "--huge-pages",
+    "embeddings.replica_wait": "--replica-wait",
+    "train.save_model": "--save-model",
+    "recovery.priority_half": "--priority-half",
+    "recovery.inject": "--inject",
+}
+RESUME_FLAGS = {_FLAG_OF[k] for k in RESUME_MAY_CHANGE if k in _FLAG_OF and k != "train.out"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -152,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="inject a failure (repeatable): shard:K@WHEN | stall:K@WHEN:SECONDS | trainer:R@WHEN | node:R@WHEN | "
-        "corrupt-checkpoint:latest[@step=N]; WHEN is step=N, t=SECONDS (after training started) or, for shard "
+        "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N; WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
     tr.add_argument(
@@ -181,7 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         metavar="RUN_DIR",
         help="finish a run that stopped (a shard that did not come back, Ctrl-C) from its dense state, "
-        "checkpoints and logs; its config.toml is the base, other flags override it",
+        "checkpoints and logs; its config.toml is the base. A finished run is refused (its results are kept), "
+        "and so is a flag that changes the model, tables, data, sharding, strategy or namespace; these may "
+        "change: " + ", ".join(sorted(RESUME_FLAGS)),
+    )
+    tr.add_argument(
+        "--take-over-namespace",
+        action="store_true",
+        help="the --namespace belongs to another run (its claim on the shards) that is gone: delete every key "
+        "of the namespace on every shard (its rows, its claim) and claim it for this run",
     )
     from recsys.bench import __doc__ as bench_doc
     from recsys.bench import add_arguments
@@ -204,11 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def flag_of(key: str) -> str:
+    """A config field (``section.field``) as the command line sets it: its flag, or where it is set."""
+    if key in _FLAG_OF:
+        return _FLAG_OF[key]
+    section, field = key.split(".", 1)
+    return f"[{section}] {field}"
+
+
 def resolve(args: argparse.Namespace) -> RunConfig:
+    base = None
     if args.resume:
         from recsys.launch import resume_config
 
-        cfg = resume_config(args.resume)
+        if args.config:
+            raise ConfigError(f"--config {args.config}: a resumed run's config is its own ({args.resume}/config.toml)")
+        cfg = base = resume_config(args.resume)
         if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
             raise ConfigError(f"--out {args.out!r}: a resumed run writes to its own folder ({args.resume})")
     else:
@@ -243,6 +283,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     cfg = RunConfig.from_dict(sections, source="flags")
     if under_torchrun and cfg.embeddings.embeddings == "redis" and cfg.embeddings.redis == "local":
         raise ConfigError("redis='local': under torchrun, --redis must list the URLs of shards that already run")
+    if base is not None:
+        from recsys.rundir import check_resume
+
+        check_resume(base, cfg, f"--resume {args.resume}", flag_of)
     return replace(cfg)
 
 
@@ -272,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(args)
         out = cfg.train.out
         _allow_fork()
-        run = api.train(cfg, resume=bool(args.resume))
+        run = api.train(cfg, resume=bool(args.resume), take_over_namespace=args.take_over_namespace)
         summary = run.summary.raw if run.summary is not None else None
     except KNOWN_ERRORS as e:
+        if args.command == "train" and out is not None and not isinstance(e, ConfigError) and Path(out).is_dir():
+            report_error(Path(out), "main", e)  # a run's fault: its traceback beside its outputs
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except TrainerFailed as e:

@@ -124,6 +124,12 @@ class EmbeddingConfig:
         _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
         _check(self.write_every >= 1, "write_every", self.write_every, "must be >= 1")
+        _check(
+            not any(c in self.namespace for c in ":{}") and self.namespace == "".join(self.namespace.split()),
+            "namespace",
+            self.namespace,
+            "must have no ':', braces or spaces (it starts every key of the run)",
+        )
         if self.cluster:
             try:
                 seed_urls(self.redis)
@@ -255,13 +261,18 @@ class RecoveryConfig:
     """Where checkpoints go (default: OUT/checkpoints)."""
     keep_checkpoints: int = 2
     """Checkpoints kept; older ones are deleted once a newer one is verified."""
+    max_abandoned_checkpoints: int = 3
+    """Checkpoints abandoned in a row (a full disk, a server that refuses the snapshot: not a shard
+    failure, which the recovery handles) before the run stops with an error, at the next checkpoint:
+    every step trained past them is one a shard failure would lose. Each abandoned checkpoint is a
+    warning line (rank 0). 0: never stop."""
     log_dir: str = ""
     """Per-shard update logs (default: OUT/logs when recovery=log, else off)."""
     log_fsync: str = "always"
     """Log durability: always (fsync each step), every:N (at most every N ms), none."""
     inject: list[str] = field(default_factory=list)
     """Failures to inject: shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS,
-    during=PHASE), corrupt-checkpoint:latest[@step=N]; see recovery/inject.py."""
+    during=PHASE), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N; see recovery/inject.py."""
     max_restarts: int = 3
     """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
     rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
@@ -316,6 +327,12 @@ class RecoveryConfig:
                 bool(self.checkpoint_every), "recovery", self.recovery, "incremental flushes need --checkpoint-every"
             )
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(
+            self.max_abandoned_checkpoints >= 0,
+            "max_abandoned_checkpoints",
+            self.max_abandoned_checkpoints,
+            "must be >= 0 (0: never stop)",
+        )
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         _check(self.shard_restart_timeout > 0, "shard_restart_timeout", self.shard_restart_timeout, "must be > 0")
         try:
@@ -335,6 +352,10 @@ class RecoveryConfig:
                 _check(self.max_restarts > 0, "inject", str(inj), "a trainer failure needs --max-restarts >= 1")
             if inj.kind == "corrupt-checkpoint":
                 _check(self.checkpoint_every > 0, "inject", str(inj), "needs --checkpoint-every K > 0")
+            if inj.kind == "corrupt-log":
+                _check(
+                    strategy.replays_log or bool(self.log_dir), "inject", str(inj), "needs update logs (--recovery log)"
+                )
 
 
 @dataclass

@@ -2,11 +2,16 @@
 
 ``report_error`` writes ``{out}/errors/{who}.log`` (the traceback) and ``{who}.json`` (the line);
 ``one_line`` is the line: the component (embedding tier, recovery, data, config, ...) and the message,
-which names the value (shard and endpoint, file and line, flag).
+which names the value (shard and endpoint, file and line, flag; a file error names its file).
+
+A disk that filled up must not leave the traceback empty: a run keeps ``RESERVE_BYTES`` in
+``{out}/.error-reserve`` (``reserve_space``, removed when the run ends well), which ``report_error``
+gives back to write the traceback when the disk is full.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import traceback
@@ -43,18 +48,46 @@ def one_line(e: BaseException) -> str:
     return f"unexpected {type(e).__name__}: {first}"
 
 
+RESERVE = ".error-reserve"
+RESERVE_BYTES = 128 << 10
+
+
+def reserve_space(run_dir: Path) -> None:
+    """Keep ``RESERVE_BYTES`` of the run folder's disk for an error's traceback (written, not sparse)."""
+    path = Path(run_dir) / RESERVE
+    try:
+        if not path.exists() or path.stat().st_size < RESERVE_BYTES:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(bytes(RESERVE_BYTES))
+    except OSError:
+        pass  # already full: nothing to keep
+
+
+def release_space(run_dir: Path) -> None:
+    Path(run_dir, RESERVE).unlink(missing_ok=True)
+
+
 def report_error(run_dir: Path, who: str, e: BaseException) -> str:
-    """Write the traceback and the line for ``who`` under ``run_dir/errors``; returns the line."""
+    """Write the traceback and the line for ``who`` under ``run_dir/errors``; returns the line. On a
+    full disk the run's reserve (``reserve_space``) is given back for them."""
     line = one_line(e)
     folder = Path(run_dir) / "errors"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{who}.log").write_text("".join(traceback.format_exception(e)))
-        tmp = folder / f"{who}.json.tmp"
-        tmp.write_text(json.dumps({"who": who, "line": line, "type": type(e).__name__, "pid": os.getpid()}))
-        os.replace(tmp, folder / f"{who}.json")
-    except OSError:
-        pass  # the run folder itself is the problem: the line still reaches the terminal
+    for attempt in range(2):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{who}.log").write_text("".join(traceback.format_exception(e)))
+            tmp = folder / f"{who}.json.tmp"
+            tmp.write_text(json.dumps({"who": who, "line": line, "type": type(e).__name__, "pid": os.getpid()}))
+            os.replace(tmp, folder / f"{who}.json")
+            break
+        except OSError as err:
+            if attempt or err.errno not in (errno.ENOSPC, errno.EDQUOT) or not Path(run_dir, RESERVE).exists():
+                break  # the run folder itself is the problem: the line still reaches the terminal
+            try:
+                release_space(run_dir)
+            except OSError:
+                break
     return line
 
 

@@ -19,32 +19,37 @@ _TORCH_FRESH = "torch" not in sys.modules  # torch is first imported below: noth
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import shutil
 import signal
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from embeddings import LocalShards
 from embeddings.cluster import seed_urls
-from embeddings.endpoints import check_endpoints
+from embeddings.endpoints import check_endpoints, commands_needed
 from embeddings.launcher import free_port
-from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
+from recovery.files import TRAINER_FAILURES, append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
 from recsys.errors import TrainerFailed, read_errors
+from recsys.rundir import (  # noqa: F401 - RUN_FILE: where a run keeps its namespace and id
+    RUN_FILE,
+    OutLock,
+    check_resume,
+    check_unfinished,
+    claim_namespace,
+    new_run_id,
+    read_run_file,
+    write_run_file,
+)
 from recsys.trainer import Trainer, worker_main
 
 # errors a trainer sees when a peer died under it: not a reason to stop the run
 _PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _PEER_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken pipe", "timed out")
-
-
-RUN_FILE = "run.json"  # the run's namespace: what --resume needs besides config.toml
 
 
 # Trainers are forked from the launcher when that is safe: each then starts without importing torch
@@ -94,8 +99,28 @@ def shard_urls(cfg: RunConfig):
             yield shards.urls, shards.specs, shards.replica_urls
     else:
         seeds = seed_urls(cfg.embeddings.redis) if cfg.embeddings.cluster else cfg.embeddings.urls
-        check_endpoints(seeds + cfg.embeddings.replica_urls, cfg.embeddings.timeout_s)
+        check_endpoints(seeds + cfg.embeddings.replica_urls, cfg.embeddings.timeout_s, needs=_needs(cfg, len(seeds)))
         yield cfg.embeddings.urls, [], cfg.embeddings.replica_urls
+
+
+def _needs(cfg: RunConfig, num_seeds: int) -> list:
+    """What the run sends each server given by URL (``commands_needed``), checked against its ACL."""
+    rc = cfg.recovery
+    n = cfg.embeddings.shards if cfg.embeddings.cluster else num_seeds
+
+    def hit(*kinds: str) -> list[int]:  # the shards injections of these kinds take down
+        return sorted({s for i in rc.injections if i.kind in kinds for s in i.shards(cfg.train.trainers, n)})
+
+    return commands_needed(
+        rc.recovery,
+        num_seeds,
+        len(cfg.embeddings.replica_urls),
+        checkpoints=bool(rc.checkpoint_every),
+        replica_wait=cfg.embeddings.replica_wait,
+        cluster=cfg.embeddings.cluster,
+        killed=hit("shard", "node"),
+        stalled=hit("stall"),
+    )
 
 
 def _peer_lost(err: dict) -> bool:
@@ -176,45 +201,70 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
 
 
 def resume_config(run_dir: str | Path) -> RunConfig:
-    """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from."""
+    """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from.
+    A run that finished is refused (``ConfigError``): its results are kept."""
     run_dir = Path(run_dir)
     for name in ("config.toml", RUN_FILE):
         if not (run_dir / name).is_file():
             raise ConfigError(f"--resume {run_dir}: no {name} there (not the folder of a run that started)")
+    check_unfinished(run_dir, f"--resume {run_dir}")
     cfg = RunConfig.from_toml(run_dir / "config.toml")
-    try:
-        namespace = json.loads((run_dir / RUN_FILE).read_text())["namespace"]
-    except (ValueError, KeyError):
-        raise ConfigError(f"--resume {run_dir}: {run_dir / RUN_FILE} is damaged") from None
+    namespace = read_run_file(run_dir)["namespace"]
     d = cfg.to_dict()
     d["embeddings"]["namespace"] = namespace
     d["train"]["out"] = str(run_dir)
     return RunConfig.from_dict(d, source=str(run_dir / "config.toml"))
 
 
-def run(cfg: RunConfig, under_launcher: bool = False, resume: bool = False) -> dict | None:
+def run(
+    cfg: RunConfig, under_launcher: bool = False, resume: bool = False, take_over_namespace: bool = False
+) -> dict | None:
     """Run one training job; returns rank 0's summary (None on other ranks under torchrun).
     ``resume``: finish the run in ``cfg.train.out`` (stopped by a fault) from its per-step dense
-    state, checkpoints and logs (``resume_config`` gives its config)."""
-    if under_launcher:  # torchrun started us: the world is set, the shards already run
-        # every rank must agree on the namespace: torchrun's run id is the same on all nodes
-        namespace = cfg.embeddings.namespace or "run-" + os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
-        return worker_main(cfg.to_dict(), cfg.embeddings.urls, namespace)
-    namespace = cfg.embeddings.namespace or f"run-{uuid.uuid4().hex[:10]}"
-    prepare(cfg)
+    state, checkpoints and logs (``resume_config`` gives its config; a finished run, or a config
+    that changes what the run must keep, is refused: ``recsys.rundir``).
+
+    The run owns its folder (a lock held here for its life) and its namespace (a claim on every
+    shard, ``embeddings.ownership``); ``take_over_namespace`` takes a namespace another run left,
+    deleting its keys."""
     out = Path(cfg.train.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dense = Path(cfg.checkpoint_dir) / "dense_latest.pt"
-    if resume:
-        if not dense.exists():
-            raise ConfigError(
-                f"--resume {out}: no per-step dense state at {dense} (the run had --max-restarts 0 or never started)"
+    flag = "--resume" if resume else "--out"
+    if under_launcher:  # torchrun started us: the world is set, the shards already run
+        # rank 0 writes the folder; the group's namespace is unique to this launch (rank 0 picks it)
+        lock = OutLock(out, flag) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+        with lock:
+            return worker_main(
+                cfg.to_dict(),
+                cfg.embeddings.urls,
+                cfg.embeddings.namespace,
+                claim={"take_over": take_over_namespace, "resume": resume},
             )
+    with OutLock(out, flag):
+        return _run_locked(cfg, out, resume, take_over_namespace)
+
+
+def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dict | None:
+    """``run`` in the launching process, holding the run folder's lock."""
+    if resume:  # what the command line checked already, checked where nothing else writes the folder
+        check_unfinished(out, f"--resume {out}")
+        check_resume(resume_config(out), cfg, f"resume {out}", lambda key: key.split(".", 1)[1])
+        run_id = read_run_file(out)["run_id"]
     else:
-        dense.unlink(missing_ok=True)  # an earlier run's
-        write_atomic(out / RUN_FILE, json.dumps({"namespace": namespace}))
+        run_id = new_run_id()
+    namespace = cfg.embeddings.namespace or f"run-{run_id[:10]}"
+    prepare(cfg)
+    dense = Path(cfg.checkpoint_dir) / "dense_latest.pt"
+    if resume and not dense.exists():
+        raise ConfigError(
+            f"--resume {out}: no per-step dense state at {dense} (the run had --max-restarts 0 or never started)"
+        )
     supervised = cfg.train.trainers > 1 or (cfg.embeddings.embeddings == "redis" and cfg.recovery.max_restarts > 0)
     with shard_urls(cfg) as (urls, specs, replicas):
+        if cfg.embeddings.embeddings == "redis":  # before anything of the run is written: the namespace is ours
+            claim_namespace(cfg, urls, namespace, run_id, take_over=take_over, fresh=not resume)
+        if not resume:
+            dense.unlink(missing_ok=True)  # an earlier run's
+            write_run_file(out, namespace, run_id)
         if replicas:  # local replicas: the trainers learn their URLs from the config
             cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, replicas=",".join(replicas)))
         if not supervised:  # one trainer that nothing would restart: run it here

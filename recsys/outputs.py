@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from recovery.files import write_atomic
+from recovery.files import name_path, write_atomic
 from recsys.config import RunConfig
+from recsys.errors import release_space
 
 
 def embedding_digest(tables: Iterable[tuple[str, Iterable[np.ndarray]]]) -> str:
@@ -43,12 +44,17 @@ class RunOutputs:
 
     def log(self, record: dict) -> None:
         self.records.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
+        except OSError as e:  # a failed write (ENOSPC) names no file
+            name_path(e, self._metrics.name)
+            raise
 
     def finish(self, summary: dict) -> None:
         self._metrics.close()
         write_atomic(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        release_space(self.dir)  # the run ended well: no traceback to keep room for
         plot_training(self.records, summary, self.dir / "plots" / "training.png")
 
 

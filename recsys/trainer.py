@@ -39,6 +39,7 @@ from embeddings.launcher import ShardSpec
 from recovery.accounting import pls
 from recovery.checkpoint import Checkpointer
 from recovery.dense import DenseSaver, NoDenseSaver
+from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.incremental import Flusher
 from recovery.inject import Injector
 from recovery.log import ShardLog
@@ -49,7 +50,7 @@ from recovery.strategy import Strategy
 from recsys.backends import LocalBackend, StoreBackend
 from recsys.config import RunConfig
 from recsys.datasets import sources
-from recsys.errors import report_error
+from recsys.errors import report_error, reserve_space
 from recsys.metrics import evaluate_scores
 from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
@@ -235,7 +236,7 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     strategy = Strategy(rc.recovery)
     run_dir = Path(cfg.train.out)
     pidfiles = [s.pidfile for s in specs] if specs else [None] * store.num_shards
-    injector = Injector(rc.injections, rank, pidfiles, run_dir, world, urls=store.urls)
+    injector = Injector(rc.injections, rank, pidfiles, run_dir, world, urls=store.urls, log_dir=cfg.log_dir)
     logs = {}
     if cfg.log_dir:
         logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(store.num_shards) if s % world == rank}
@@ -247,6 +248,8 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
             cfg.checkpoint_dir, rc.keep_checkpoints, local, store, rank, coll.barrier, run=store.namespace
         )
         ckpt.on_fork = lambda shard: injector.during("checkpoint")
+        ckpt.max_abandoned = rc.max_abandoned_checkpoints
+        ckpt.warn = lambda line: tqdm.write(line, file=sys.stderr)  # on a line of its own under the bar
     priority = flusher = None
     mine = {s for s in range(store.num_shards) if s % world == rank}  # the shards this trainer writes
     if strategy.priority_saves:
@@ -407,6 +410,8 @@ class Trainer:
         """Train ``cfg.train.steps`` steps; rank 0 writes the run outputs and returns the summary."""
         bar = None
         try:
+            if self.rank == 0:
+                reserve_space(Path(self.cfg.train.out))  # room for a traceback should the disk fill up
             self.resume()
             bar = tqdm(
                 total=self.steps,
@@ -566,7 +571,13 @@ class Trainer:
     def checkpoint(self, step: int) -> Outcome:
         """Fork every shard's snapshot under the protocol, then the dense state and the background copy."""
         ckpt = self.checkpointer
-        out = self.recovery.run_phase(step, "checkpoint", lambda only: ckpt.begin(step))
+        ckpt.check_abandoned()  # too many abandoned in a row: the run stops here (rank 0)
+
+        def begin(only) -> None:
+            ckpt.begin(step)
+            self.check_evictions()  # after the forks: a snapshot missing evicted rows never gets a manifest
+
+        out = self.recovery.run_phase(step, "checkpoint", begin)
         if out.rolled_back:
             return out
         self.recovery.on_checkpoint(step)
@@ -574,6 +585,26 @@ class Trainer:
         stats = ckpt.finish(step, state["dense"], {**state["run"], "namespace": self.namespace})
         self.out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
         return out
+
+    def check_evictions(self, final: bool = False) -> None:
+        """Rank 0 at a commit point (a checkpoint's forks, the end of the run): a shard whose server
+        evicted keys stops the run (``RedisStore.check_evictions``), resumable where the per-step dense
+        state is kept (``--max-restarts`` > 0, not yet discarded at the end) and the strategy restores
+        from the run's own saves (a replica lost the same rows: evictions reach it as deletes)."""
+        store = getattr(self.backend, "store", None)
+        if self.rank != 0 or store is None:
+            return
+        rc = self.cfg.recovery
+        why_not = (
+            "the run finished training and its dense state is gone"
+            if final
+            else "it ran with --max-restarts 0, which keeps no state to resume from"
+            if not rc.max_restarts
+            else "--recovery replica cannot restore it: its replica lost the same rows"
+            if rc.recovery == "replica"
+            else ""
+        )
+        store.check_evictions(None if why_not else f"--resume {self.cfg.train.out}", why_not)
 
     def priority_save(self, step: int) -> None:
         """partial-mfu/ssu: each writer copies its shards' priority rows (no barrier: it is their only
@@ -622,8 +653,13 @@ class Trainer:
         return self.recovery.run_phase(step, "eval", run), res
 
     def resume(self) -> None:
-        """Fresh start, or resume after a trainer restart from the per-step dense state."""
-        resumed = self.dense_saver.load()
+        """Fresh start, or resume after a trainer restart from the per-step dense state (or, when
+        that file fails its checksum, from the newest checkpoint whose files all verify: every
+        shard then rolls back to it, and the steps since are trained again)."""
+        try:
+            resumed = self.dense_saver.load()
+        except CorruptCheckpointError as e:
+            resumed = self._resume_from_checkpoint(str(e))
         if self.rank == 0:
             self.out = RunOutputs(self.cfg, append=resumed is not None)
         t_restart = time.time()
@@ -647,6 +683,28 @@ class Trainer:
         if out.rolled_back:
             self.roll_back(out.to_step)
 
+    def _resume_from_checkpoint(self, why: str) -> dict:
+        """The dense state and run state of the newest checkpoint whose files all verify (every
+        trainer finds the same one), in place of a damaged per-step dense state."""
+        where = self.checkpointer.dir if self.checkpointer is not None else None
+        try:
+            if self.checkpointer is None:
+                raise NoCheckpointError("checkpoints are off")
+            ckpt = self.checkpointer.latest_verified()
+        except NoCheckpointError as e:
+            raise RecoveryError(
+                f"{why}, and there is no checkpoint to fall back to ({e}): the run cannot resume"
+            ) from None
+        state = self.state_dict(ckpt.step)
+        meta = self.checkpointer.load(ckpt.step, state["dense"])
+        if self.rank == 0:
+            print(
+                f"warning: {why}; resuming from the checkpoint of step {ckpt.step} in {where} "
+                f"(every shard goes back to it; the steps since are trained again)",
+                file=sys.stderr,
+            )
+        return {"dense": state["dense"], "run": meta}
+
     def roll_back(self, to_step: int) -> None:
         """Full recovery: dense state, readers and logs back to checkpoint ``to_step``."""
         state = self.state_dict(to_step)
@@ -664,6 +722,7 @@ class Trainer:
         commit = self.dense_saver.committer(self.steps)  # every row of the last step is on its shard
         if commit is not None:
             commit()
+        self.recovery.guard(self.check_evictions)  # while the run can still be resumed (a dead shard: below)
         self.dense_saver.discard()
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -704,6 +763,7 @@ class Trainer:
             if self.rank == 0:
                 res["eval"] = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
                 res["digest"] = embedding_digest(self.backend.table_blocks())
+                self.check_evictions(final=True)  # what the evaluation and the digest read was all there
 
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
@@ -802,8 +862,41 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None) -> dict | None:
+def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: int, world: int, claim: dict) -> str:
+    """Under torchrun: rank 0 picks the run's id and (without ``--namespace``) a namespace unique to
+    this launch, claims it on the shards and records both in the run folder; every rank gets the
+    namespace from it (a broadcast on the group just formed). A group the elastic agent restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) of the same launch, or a ``--resume``, keeps the run's.
+    ``claim``: ``take_over`` (``--take-over-namespace``), ``resume`` (``--resume``)."""
+    from recsys import rundir
+
+    said: list = [None, None]  # rank 0's namespace, or its error line
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            run_id, ns, fresh = rundir.torchrun_identity(cfg.train.out, namespace, claim.get("resume", False))
+            if cfg.embeddings.embeddings == "redis":
+                take_over = claim.get("take_over", False)
+                rundir.claim_namespace(cfg, urls, ns, run_id, take_over=take_over, fresh=fresh)
+            rundir.write_run_file(cfg.train.out, ns, run_id, launch=rundir.launch_id())
+            said[0] = ns
+        except Exception as e:  # noqa: BLE001 - the other ranks learn it failed; rank 0 reports it
+            error, said[1] = e, str(e)
+    if world > 1:
+        dist.broadcast_object_list(said, src=0)
+    if error is not None:
+        raise error
+    if said[0] is None:
+        raise SystemExit(3)  # rank 0 reports why
+    return said[0]
+
+
+def worker_main(
+    cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None, claim: dict | None = None
+) -> dict | None:
     """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
+    ``claim`` (torchrun): the group claims its namespace itself (``torchrun_namespace``); under
+    the launcher, the launcher did.
 
     An error ends this process with exit status 3 after writing its traceback to
     ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
@@ -816,6 +909,8 @@ def worker_main(cfg_dict: dict, urls: list[str], namespace: str, specs: list[dic
     try:
         if world_size > 1:
             dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        if claim is not None:
+            namespace = torchrun_namespace(cfg, urls, namespace, rank, world_size, claim)
         return Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []]).train()
     except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
         line = report_error(Path(cfg.train.out), f"trainer{rank}", e)

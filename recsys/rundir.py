@@ -1,0 +1,290 @@
+"""A run's folder and namespace belong to that run: who writes the folder, what a resume may change.
+
+- ``OutLock``: the launching process holds an exclusive ``flock`` on ``{out}/run.lock`` for the
+  run's life (trainer processes it starts need none): a second run into the folder is refused in
+  one line naming the pid that writes there.
+- ``run.json`` (``RUN_FILE``): the run's namespace and id. The id is the run's claim on its
+  namespace (``embeddings.ownership``): ``--resume`` takes its own claim back with it.
+- ``check_resume``: a resumed run continues the same run. A finished run is refused (its results
+  are kept); a setting that changes the model, tables, data stream, sharding, strategy or
+  namespace is refused by name, with the run's value and the new one. ``RESUME_MAY_CHANGE`` lists
+  what may change.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from recsys.config import ConfigError, RunConfig
+
+RUN_FILE = "run.json"  # the run's namespace and id: what --resume needs besides config.toml
+LOCK_FILE = "run.lock"  # flock'ed by the process that writes the run folder
+SUMMARY = "summary.json"  # written once, atomically, when the run finished: its presence marks the end
+
+RESUME_MAY_CHANGE: frozenset[str] = frozenset(
+    {
+        # how the run is watched and reported: no effect on what it computes
+        "train.eval_every",
+        "train.log_every",
+        "train.progress",
+        "train.save_model",
+        "train.threads",
+        # where the shards are and how they are reached (same count, same kind: checked apart)
+        "embeddings.redis",
+        "embeddings.replicas",
+        "embeddings.timeout_s",
+        "embeddings.prefetch",
+        "embeddings.held_rows_mb",
+        "embeddings.replica_wait",
+        "embeddings.huge_pages",
+        # how failures are met from here on (not the strategy or what it saves)
+        "recovery.max_restarts",
+        "recovery.max_abandoned_checkpoints",
+        "recovery.shard_restart_timeout",
+        "recovery.keep_checkpoints",
+        "recovery.log_fsync",
+        "recovery.inject",
+        # the run folder itself (a resumed run writes to its own folder: checked apart)
+        "train.out",
+    }
+)
+"""Config fields (``section.field``) a resumed run may set anew. Everything else is the run: the
+model (``[model]``, ``[optim]``), tables and data stream (``[data]``, ``seed``, ``batch_size``,
+``steps``), sharding (shard count, ``placement``, ``trainers``, ``embeddings``), the strategy and
+what it saves (``recovery``, ``checkpoint_every``, priority and flush settings, log and checkpoint
+folders, ``write_behind``, ``write_every``) and the namespace; a resume that changes one of them is
+refused. Of the fields here, ``redis`` may change only to the same number of shards of the same
+kind (plain or cluster), and ``max_restarts`` only to 1 or more (a resume starts from the per-step
+dense state those restarts save)."""
+
+FIXED_WHY = "a resumed run keeps its model, tables, data, sharding, strategy and namespace"
+
+
+# -- the folder lock ------------------------------------------------------------------------------
+def _pid_in(fd: int) -> str:
+    try:
+        return os.pread(fd, 64, 0).decode().strip() or "?"
+    except (OSError, UnicodeDecodeError):
+        return "?"
+
+
+class OutLock:
+    """``with OutLock(out, flag)``: hold ``{out}/run.lock`` (flock, exclusive, non-blocking) or raise
+    ``ConfigError``: "``flag`` OUT: another run (pid N) is writing there". The lock goes with the
+    process (a kill releases it); the file stays."""
+
+    def __init__(self, out: str | os.PathLike, flag: str = "--out") -> None:
+        self.out, self.flag = Path(out), flag
+        self._fd: int | None = None
+
+    def __enter__(self) -> OutLock:
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _pid_in(fd)
+            os.close(fd)
+            raise ConfigError(f"{self.flag} {self.out}: another run (pid {pid}) is writing there") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def writer_of(out: str | os.PathLike) -> int | None:
+    """The pid of the run that holds ``out``'s lock (on this host), or None: nothing writes there."""
+    path = Path(out) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(fd)
+        return int(pid) if pid.isdigit() else -1
+    finally:
+        os.close(fd)  # closing drops a lock this took
+    return None
+
+
+# -- run.json: namespace and run id ---------------------------------------------------------------
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def read_run_file(run_dir: str | os.PathLike, flag: str = "--resume") -> dict:
+    path = Path(run_dir) / RUN_FILE
+    try:
+        d = json.loads(path.read_text())
+        if not isinstance(d, dict) or not isinstance(d.get("namespace"), str):
+            raise ValueError
+    except OSError:
+        raise ConfigError(f"{flag} {run_dir}: no {RUN_FILE} there (not the folder of a run that started)") from None
+    except ValueError:
+        raise ConfigError(f"{flag} {run_dir}: {path} is damaged") from None
+    # a run from before run ids: its claim (if any) is under this name
+    d.setdefault("run_id", "legacy-" + d["namespace"])
+    return d
+
+
+def write_run_file(run_dir: str | os.PathLike, namespace: str, run_id: str, **extra) -> None:
+    from recovery.files import write_atomic
+
+    write_atomic(Path(run_dir) / RUN_FILE, json.dumps({"namespace": namespace, "run_id": run_id, **extra}))
+
+
+# -- what a resume may change ---------------------------------------------------------------------
+def finished_at(run_dir: str | os.PathLike) -> int | str | None:
+    """The step the run in ``run_dir`` finished at (``summary.json`` is written once, atomically, as
+    its last act), '?' if the summary cannot be read, None if the run did not finish."""
+    path = Path(run_dir) / SUMMARY
+    if not path.exists():
+        return None
+    try:
+        return int(json.loads(path.read_text())["steps_completed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "?"
+
+
+def check_unfinished(run_dir: str | os.PathLike, prefix: str) -> None:
+    step = finished_at(run_dir)
+    if step is not None:
+        raise ConfigError(
+            f"{prefix}: the run finished at step {step}; results kept (a finished run is not extended: "
+            "start a new run with another --out)"
+        )
+
+
+def _shard_count(cfg: RunConfig) -> int:
+    return len(cfg.embeddings.urls) or cfg.embeddings.shards
+
+
+def _show(v) -> str:
+    if isinstance(v, str) and "://" in v:  # endpoints: never a password on the terminal
+        return re.sub(r"://[^/@,]*@", "://", v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return json.dumps(v)
+    return str(v)
+
+
+def resume_changes(base: RunConfig, new: RunConfig) -> list[tuple[str, str, str]]:
+    """Settings ``new`` changes that a resume of ``base`` must keep: [(section.field, run's, new)]."""
+    out = []
+    old_d, new_d = base.to_dict(), new.to_dict()
+    for section, values in old_d.items():
+        for name, was in values.items():
+            key = f"{section}.{name}"
+            now = new_d[section][name]
+            if key == "embeddings.shards":
+                was, now = _shard_count(base), _shard_count(new)
+            if was == now or (key in RESUME_MAY_CHANGE and key != "embeddings.redis"):
+                continue
+            if key == "embeddings.redis":
+                if base.embeddings.cluster != new.embeddings.cluster:
+                    out.append((key, _show(was), _show(now)))
+                continue  # a different count of shards is named as the shards'
+            if key == "embeddings.shards" and base.embeddings.redis != new.embeddings.redis:
+                key, was, now = (
+                    "embeddings.redis",
+                    f"{_show(base.embeddings.redis)} ({was} shards)",
+                    f"{_show(new.embeddings.redis)} ({now} shards)",
+                )
+            out.append((key, _show(was), _show(now)))
+    if new.recovery.max_restarts == 0 and base.recovery.max_restarts != 0:
+        out.append(("recovery.max_restarts", _show(base.recovery.max_restarts), "0"))
+    return out
+
+
+def check_resume(base: RunConfig, new: RunConfig, prefix: str, name_of: Callable[[str], str]) -> None:
+    """Refuse (``ConfigError``, one line) a resume whose config ``new`` changes what the run ``base``
+    must keep; ``name_of(section.field)`` names a setting as the caller's user gives it (a flag)."""
+    changes = resume_changes(base, new)
+    if not changes:
+        return
+    said = ", ".join(f"{name_of(key)} {now} differs from the run's {was}" for key, was, now in changes)
+    if any(key == "recovery.max_restarts" for key, _, _ in changes):
+        said += " (a resume starts from the per-step dense state that --max-restarts >= 1 saves)"
+    raise ConfigError(f"{prefix}: {said}; {FIXED_WHY}")
+
+
+# -- the namespace claim ----------------------------------------------------------------------------
+def owner_running(owner) -> int | None:
+    """The pid of the run that owns a namespace if it still writes its folder (on this host), else None."""
+    if owner.host != socket.gethostname() or owner.out in ("", "?"):
+        return None
+    return writer_of(owner.out)
+
+
+def claim_namespace(
+    cfg: RunConfig, urls: list[str], namespace: str, run_id: str, *, take_over: bool, fresh: bool
+) -> list[int]:
+    """Claim ``namespace`` on the run's shards (``embeddings.ownership``) for run ``run_id`` in
+    ``cfg.train.out``. -> the shards whose keys a take-over deleted."""
+    from embeddings import RedisStore
+    from embeddings.ownership import Claim
+    from embeddings.ownership import claim_namespace as claim
+    from recsys.model import row_optimizer, table_set
+
+    out = os.path.abspath(cfg.train.out)
+    store = RedisStore(
+        urls,
+        table_set(cfg),
+        row_optimizer(cfg),
+        namespace=namespace,
+        seed=cfg.train.seed,
+        placement=cfg.embeddings.placement,
+        timeout_s=cfg.embeddings.timeout_s,
+    )
+
+    def alive(owner: Claim) -> int | None:
+        if os.path.abspath(owner.out) == out:
+            return None  # its folder is ours now: this process holds its lock
+        return owner_running(owner)
+
+    try:
+        return claim(store, Claim.mine(run_id, out), take_over=take_over, fresh=fresh, alive=alive)
+    finally:
+        store.close()
+
+
+# -- torchrun ---------------------------------------------------------------------------------------
+def launch_id() -> str:
+    """This torchrun launch on this host: its elastic agent (the trainer's parent) outlives the
+    trainer groups it restarts."""
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def torchrun_identity(out: str | os.PathLike, namespace: str, resume: bool = False) -> tuple[str, str, bool]:
+    """Rank 0 under torchrun: (run id, namespace, fresh). A new id, and without ``namespace`` one
+    unique to this launch (torchrun's ``TORCHELASTIC_RUN_ID`` is "none" for every launch without
+    ``--rdzv-id``); a group the agent restarted keeps the ones its launch recorded in the folder,
+    and so does a ``--resume`` of the run there."""
+    if resume:
+        d = read_run_file(out)
+        return d["run_id"], d["namespace"], False
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        try:
+            d = read_run_file(out)
+        except ConfigError:
+            d = {}
+        if d.get("launch") == launch_id() and namespace in ("", d["namespace"]):
+            return d["run_id"], d["namespace"], False
+    run_id = new_run_id()
+    return run_id, namespace or f"run-{run_id[:10]}", True
