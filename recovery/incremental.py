@@ -14,6 +14,7 @@ shard is then exactly as of the last flush, and only the updates since it are lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
 from recovery import rowfiles
+from recovery.errors import CorruptCheckpointError
 from recovery.files import fsync_dir
 from recovery.rowfiles import ShardRowsSaver
 
@@ -101,12 +103,25 @@ def flush_files(directory: Path, shard: int, after_step: int, upto: int | None =
     return [f for f, s in zip(files, steps) if after_step < s and (upto is None or s <= upto)]
 
 
-def replay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int]:
+def replay(
+    directory: Path,
+    store: RedisStore,
+    shard: int,
+    after_step: int,
+    upto: int,
+    on_corrupt: Callable[[CorruptCheckpointError], None] = lambda e: None,
+) -> tuple[int, int]:
     """Overlay the shard's flushes taken after ``after_step`` and at ``upto`` or before, oldest
-    first. -> (bytes read, the step the shard is now as of)."""
+    first. -> (bytes read, the step the shard is now as of). A flush that fails its CRC ends the
+    replay there (``on_corrupt`` is told): each flush holds only the rows dirtied since the one
+    before, so the shard stays as of the last good one, and the updates since are counted lost."""
     nbytes, as_of = 0, after_step
     for path in flush_files(directory, shard, after_step, upto):
-        f = rowfiles.read(path)
+        try:
+            f = rowfiles.read(path)
+        except CorruptCheckpointError as e:
+            on_corrupt(e)
+            break
         if f.groups:
             store.write_shard(shard, f.groups, step=f.step)
         nbytes += path.stat().st_size

@@ -828,14 +828,23 @@ class RecoveryManager:
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
             saved = 0
+
+            def note_corrupt(e: Exception) -> None:  # not used: what it held is counted lost below
+                rec.setdefault("corrupt_saves", []).append(str(e))
+                self.note(f"step {step}: shard {shard}: {e}")
+
             if self.priority is not None:  # partial-mfu / partial-ssu: overlay the newest priority save
-                nbytes, saved, at = priority.overlay(self.priority.dir, self.store, shard, base_step, step - 1)
+                nbytes, saved, at = priority.overlay(
+                    self.priority.dir, self.store, shard, base_step, step - 1, on_corrupt=note_corrupt
+                )
                 newest = max(newest, at)
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
                 lap("overlay")
             if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
-                nbytes, as_of = incremental.replay(self.flusher.dir, self.store, shard, base_step, step - 1)
+                nbytes, as_of = incremental.replay(
+                    self.flusher.dir, self.store, shard, base_step, step - 1, on_corrupt=note_corrupt
+                )
                 newest = max(newest, as_of)
                 rec["restored_bytes"] += nbytes
                 rec["flushed_to_step"] = as_of

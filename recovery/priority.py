@@ -19,6 +19,7 @@ the last checkpoint (sparse) to account for exactly that; the count travels in t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -335,14 +336,26 @@ class PrioritySaver(ShardRowsSaver):
         return np.sort(np.concatenate([rowkeys.pack(t, ids) for t, ids in rows])) if rows else None
 
 
-def overlay(directory: Path, store: RedisStore, shard: int, after_step: int, upto: int) -> tuple[int, int, int]:
+def overlay(
+    directory: Path,
+    store: RedisStore,
+    shard: int,
+    after_step: int,
+    upto: int,
+    on_corrupt: Callable[[CorruptCheckpointError], None] = lambda e: None,
+) -> tuple[int, int, int]:
     """Write the shard's newest priority save if taken after ``after_step`` and at ``upto`` or
-    before (by any trainer); -> (bytes, updates it saved, its step or ``after_step``)."""
+    before (by any trainer); -> (bytes, updates it saved, its step or ``after_step``). A save that
+    fails its CRC is not overlaid (``on_corrupt`` is told): the updates it held are counted lost."""
     path = Path(directory) / f"shard{shard}.bin"
     if not path.exists():
         return 0, 0, after_step
     data = path.read_bytes()
-    f = rowfiles.decode(data, f"priority save {path}")
+    try:
+        f = rowfiles.decode(data, f"priority save {path}")
+    except CorruptCheckpointError as e:
+        on_corrupt(e)
+        return 0, 0, after_step
     if not after_step < f.step <= upto:
         return 0, 0, after_step
     if f.groups:

@@ -182,3 +182,37 @@ def test_a_stale_shard_under_partial_is_restored_and_its_loss_counted_exactly(tm
     logged = sum(len(r.ids) for r in ShardLog(tmp_path / "logs", 1).records(after_step=30, up_to_step=d))
     assert f["lost_updates"] == logged > 0, (f, logged)
     assert s["pls"] > 0
+
+
+def test_a_corrupt_flush_ends_the_replay_at_the_last_good_one_and_a_corrupt_priority_save_is_skipped(
+    tmp_path, shards3, namespace
+):
+    """Flushes hold only the rows dirtied since the one before: a flush that fails its CRC ends the
+    replay there (the shard is as of the last good one, so the loss is counted from it); a priority
+    save that fails its CRC is not overlaid. Real Redis, real files."""
+    from embeddings import SGD, RedisStore, TableSet, TableSpec
+    from recovery import incremental, priority, rowfiles
+
+    tables = TableSet([TableSpec("t0", 200, 4)])
+    with RedisStore(shards3.urls, tables, SGD(0.1), namespace=namespace) as st:
+        ids = np.arange(200)
+        ids = ids[st.shard_map.shard_of(0, ids) == 1][:10]
+        folder = tmp_path / "flush" / "shard1"
+        folder.mkdir(parents=True)
+        for step, value in ((5, 1.0), (10, 2.0), (15, 3.0)):
+            rows = np.full((len(ids), 4), value, np.float32)
+            (folder / f"flush_{step:010d}.bin").write_bytes(rowfiles.encode(step, 7, [(0, ids, rows)], [4]))
+        flip(folder / f"flush_{10:010d}.bin")
+        seen = []
+        _, as_of = incremental.replay(tmp_path / "flush", st, 1, 0, 20, on_corrupt=seen.append)
+        assert as_of == 5 and len(seen) == 1 and "flush_0000000010.bin" in str(seen[0])
+        assert np.all(st.read_rows("t0", ids) == 1.0)  # the flush of step 15 is not applied over a gap
+
+        save = tmp_path / "priority" / "shard1.bin"
+        save.parent.mkdir()
+        save.write_bytes(rowfiles.encode(12, 9, [(0, ids, np.full((len(ids), 4), 5.0, np.float32))], [4]))
+        flip(save)
+        seen.clear()
+        assert priority.overlay(tmp_path / "priority", st, 1, 10, 20, on_corrupt=seen.append) == (0, 0, 10)
+        assert len(seen) == 1 and "CRC32C mismatch" in str(seen[0])
+        assert np.all(st.read_rows("t0", ids) == 1.0)
