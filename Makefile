@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 TRAIN_ARGS ?=
 
-.PHONY: setup train test lint bench-store bench-data bench-throughput clean
+.PHONY: setup train test test-fast lint bench-store bench-data bench-throughput clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,6 +14,12 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
+
+# unit and single-server tests (about a minute and a half here): before every commit
+test-fast: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q -m "unit or redis"
 
 lint: setup
 	$(PY) -m ruff check --fix .

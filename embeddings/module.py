@@ -215,12 +215,6 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             return np.empty(0, np.int64), torch.empty((0, self.dim))
         return np.concatenate(keys), torch.cat(grads)
 
-    def pop_sparse_grads(self) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-        """``pop_key_grads`` per table: table name -> (row ids [n], gradients [n, dim]), summed per row."""
-        keys, grads = sum_by_key(*self.pop_key_grads())
-        names = self.store.tables.names
-        return {names[t]: (ids, grads[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()}
-
     def apply_gradients(self) -> None:
         """Send this step's per-row gradients to the store's optimizer, then forget them."""
         keys, grads = sum_by_key(*self.pop_key_grads())

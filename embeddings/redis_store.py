@@ -433,10 +433,6 @@ class RedisStore(StoreBase):
             else:  # one writer of every shard: no mask, no copy
                 self.held.put_keys(keys, rows, step)
 
-    def behind_pending(self) -> Future | None:
-        """The write-behind not joined yet (its result: the failed shards), or None."""
-        return self._behind
-
     def join_behind(self) -> dict[int, ShardUnavailableError]:
         """The commit point of the last ``write_behind``: waits for it. -> the shards that failed."""
         f, self._behind = self._behind, None

@@ -124,11 +124,6 @@ class StoreBase:
         t, arr = self._ids(table, ids)
         return self._fetch_filled({t: arr})[t]
 
-    def read_many(self, requests: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """Table index -> ids, in one read: table index -> [n, dim + state_width] rows."""
-        checked = dict(self._ids(self.tables.specs[t].name, ids) for t, ids in requests.items())
-        return self._fetch_filled(checked)
-
     def pull(self, table: str, ids) -> np.ndarray:
         return self.pull_many({table: ids})[table]
 

@@ -161,7 +161,6 @@ class ShardLog:
         self.dir = Path(directory) / f"shard{shard}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shard = shard
-        self.fsync_policy = fsync
         self._fsync_ms = parse_fsync_policy(fsync)
         self._file = None  # touched by the log's thread while a write or switch is queued
         self._opened = False  # the writer's view: a segment is open or queued to open

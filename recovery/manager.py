@@ -38,7 +38,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -177,12 +176,10 @@ class RecoveryManager:
         self._call_began: dict[int, float] = {}  # shard -> start of the call that saw it fail
         self._guarded = threading.local()  # .since: start of this thread's guarded call in progress
         self._lost_since: dict[int, tuple[int, list[int]]] = {}  # shard -> (step, all totals) at last failure
-        self._pool = ThreadPoolExecutor(max_workers=max(1, n), thread_name_prefix="apply")
         self._local = {spec.index: spec for spec in self.shards}
         self._started_empty: set[int] = set()  # local shards a --resume started anew (empty): restored, not failed
         self._recent: dict[int, np.ndarray] = {}  # step -> update totals, the last RECENT steps (replica losses)
         self._promoted: set[int] = set()
-        self.unacked_waits = 0  # replica_wait: steps whose writes no replica acknowledged in time
         # write-behind: ([(update, step)], step, keys, rows, shards) of the write in flight (one step's,
         # or a window's); shard -> the (update, step)s of a write-behind that failed there, redone in
         # order once the shard is recovered
@@ -205,7 +202,6 @@ class RecoveryManager:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
         for w in (self.priority, self.flusher):
             if w is not None:
                 w.close()
@@ -539,8 +535,7 @@ class RecoveryManager:
             self._replicated(s)
 
     def _replicated(self, s: int) -> None:
-        ok, acked = self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
-        self.unacked_waits += int(ok and acked < 1)
+        self.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
 
     def _apply_by_shard(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
         for s in np.unique(shards).tolist():
@@ -1148,11 +1143,6 @@ class NoRecovery:
 
     def guard(self, fn):
         return True, fn()
-
-    def _fail(self, shard: int) -> None:
-        """Record a shard as failed for the next commit point (as ``guard`` does on an error)."""
-        self._flags[shard] = 1
-        self._detected.setdefault(shard, time.time())
 
     def sync(self) -> list[int]:
         return []

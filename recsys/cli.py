@@ -48,7 +48,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         str,
         "local (start shards here) | redis[s]://[user:pass@]host:port[,...] (shards that already run)",
     ),
-    "--shards": ("embeddings", "shards", int, "local shards to start when --redis local"),
+    "--shards": (
+        "embeddings",
+        "shards",
+        int,
+        "shards: local servers to start with --redis local, or logical shards over a Redis Cluster "
+        "(with plain URLs: one per URL)",
+    ),
     "--replicas": (
         "embeddings",
         "replicas",
@@ -162,10 +168,13 @@ RESUME_FLAGS = {_FLAG_OF[k] for k in RESUME_MAY_CHANGE if k in _FLAG_OF and k !=
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
     sub = ap.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train a DLRM model", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    tr.add_argument("--config", help="TOML file with [data] [model] [embeddings] [optim] [train] sections")
-    for flag, (_, _, typ, help_) in FLAGS.items():
-        tr.add_argument(flag, type=str, default=None, help=f"{help_} ({typ.__name__})")
+    tr = sub.add_parser("train", help="train a DLRM model")
+    tr.add_argument("--config", help="TOML file with [data] [model] [embeddings] [optim] [train] [recovery] sections")
+    defaults = RunConfig().to_dict()  # a flag not given keeps the config's value: these, or --config's
+    for flag, (section, field, typ, help_) in FLAGS.items():
+        value = defaults[section][field]
+        shown = f"; default: {value}" if value not in ("", None) else ""
+        tr.add_argument(flag, type=str, default=None, help=f"{help_} ({typ.__name__}{shown})")
     tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows")
     tr.add_argument(
         "--inject",

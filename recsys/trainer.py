@@ -56,7 +56,7 @@ from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
 
 EVAL_BATCH = 4096
-WARMUP_STEPS = 10  # steps before throughput_after_warmup_samples_per_s starts counting
+WARMUP_STEPS = 10  # steps before the step time is steady: throughput counts after them, the auto planner measures them
 # torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
 # warning on every process. It says nothing about this run.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -158,10 +158,8 @@ class StepClock:
 
 
 class Schedule:
-    """When to checkpoint and take priority saves. ``auto``: after ``WARMUP`` steps the planner picks
+    """When to checkpoint and take priority saves. ``auto``: after ``WARMUP_STEPS`` the planner picks
     the interval from the measured step time and checkpoint pause (rank 0 decides, all follow)."""
-
-    WARMUP = 10
 
     def __init__(self, cfg: RunConfig, num_shards: int, coll: Collective, rank: int) -> None:
         rc = cfg.recovery
@@ -191,7 +189,7 @@ class Schedule:
             return
         if step > 1:
             self._step_times.append(seconds)
-        if step == self.WARMUP:
+        if step == WARMUP_STEPS:
             interval = -1
             if self.rank == 0:
                 step_s = float(np.median(self._step_times))

@@ -29,6 +29,23 @@ def track(shards: LocalShards) -> None:
     _STARTED_PIDS.update(shards.pids)
 
 
+# the tier of each test file (pyproject.toml registers the markers): `make test-fast` runs unit and
+# redis, `make test` everything
+TIERS = {
+    "unit": {"test_log_coverage", "test_planner", "test_shard_map", "test_module", "test_data"},
+    "redis": {"test_keys", "test_store", "test_recovery_parts", "test_launcher", "test_redis_misuse"},
+    "chaos": {"test_chaos"},
+    "cluster": {"test_remote"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        tier = next((t for t, files in TIERS.items() if module in files), "integration")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
 def pytest_sessionfinish(session, exitstatus):
     leaked = [p for p in _STARTED_PIDS if _pid_alive(p)]
     if leaked:
