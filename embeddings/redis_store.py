@@ -244,9 +244,11 @@ class RedisStore(StoreBase):
             then = f"then finish the run with {resume}" if resume else f"then run it again ({why_not})"
             if evicted is not None and evicted > base[1] and not policy.startswith("volatile-"):
                 if resume:
-                    with contextlib.suppress(ShardUnavailableError, StoreAuthError, ShardDataError):
-                        self.call(s, lambda c, s=s: c.delete(self.meta_key("applied", s)))
-                    then += ", which restores the shard first"
+                    try:  # a shard with no applied marker is empty to a resume: it restores it first
+                        self.call(s, lambda c, s=s: c.unlink(self.meta_key("applied", s)))
+                        then += ", which restores the shard first"
+                    except (ShardUnavailableError, StoreAuthError, ShardDataError) as e:
+                        then = f"then run it again (the shard's marker could not be dropped for a resume: {e})"
                 raise ShardEvictedError(
                     s,
                     self.endpoints[s],

@@ -12,6 +12,9 @@ seconds after training started, fired from a timer wherever the trainers are) or
                             (default: just before the first restore reads it)
 - ``corrupt-log:K@step=N``  flip a byte in the middle of shard K's newest log segment at the start of
                             step N (a disk that damaged a record the log already holds)
+- ``corrupt-dense@step=N``  flip a byte of the per-step dense state (``dense_latest.pt``) in step N,
+                            after the step's writes (pair it with ``trainer:0@step=N``: the restart
+                            finds it damaged)
 
 Each injection fires once per run: fired ones are appended to ``{run}/injections.jsonl`` (which also
 holds the run's time origin), so a restarted trainer group neither repeats nor forgets them.
@@ -41,10 +44,11 @@ _PATTERNS = {
     "node": re.compile(r"node:(\d+)@" + _WHEN),
     "corrupt-checkpoint": re.compile(r"corrupt-checkpoint:latest(?:@step=(\d+))?"),
     "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
+    "corrupt-dense": re.compile(r"corrupt-dense@step=(\d+)"),
 }
 USAGE = (
     "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
-    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N] or corrupt-log:K@step=N"
+    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N or corrupt-dense@step=N"
 )
 
 
@@ -68,6 +72,8 @@ class Injection:
     def __str__(self) -> str:
         if self.kind == "corrupt-checkpoint":
             return "corrupt-checkpoint:latest" + (f"@step={self.step}" if self.step else "")
+        if self.kind == "corrupt-dense":
+            return f"corrupt-dense@step={self.step}"
         tail = f":{self.seconds:g}" if self.kind == "stall" else ""
         return f"{self.kind}:{self.target}@{self.when}{tail}"
 
@@ -91,6 +97,8 @@ def parse_injection(spec: str) -> Injection:
             return Injection(kind, None, int(g[0]) if g[0] else None)
         if kind == "corrupt-log":
             return Injection(kind, int(g[0]), int(g[1]))
+        if kind == "corrupt-dense":
+            return Injection(kind, None, int(g[0]))
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
         if during is not None and kind != "shard":
             raise InjectionSpecError(f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...)")
@@ -141,9 +149,11 @@ class Injector:
         world_size: int = 1,
         urls: list[str] | None = None,
         log_dir: str | os.PathLike | None = None,
+        dense_path: str | os.PathLike | None = None,
     ) -> None:
         self.injections = list(injections)
         self.log_dir = Path(log_dir) if log_dir else None  # corrupt-log's target
+        self.dense_path = Path(dense_path) if dense_path else None  # corrupt-dense's
         self.rank = rank
         self.world_size = world_size
         self.pidfiles = shard_pidfiles  # None for a shard reached only by URL
@@ -238,13 +248,17 @@ class Injector:
             elif inj.kind == "corrupt-log":
                 if str(inj) not in self._fired:
                     self._corrupt(inj, lambda inj=inj: self._newest_segment(inj))
-            elif inj.kind != "trainer":
+            elif inj.kind not in ("trainer", "corrupt-dense"):  # both fire mid-step
                 if settle is not None:
                     settle()
                 self._fire(inj)
 
     def mid_step(self, step: int) -> None:
-        """After this trainer's own shard writes: ``trainer:R@step=N``."""
+        """After this trainer's own shard writes: ``corrupt-dense@step=N`` (rank 0), then
+        ``trainer:R@step=N``."""
+        for inj in self.injections:
+            if inj.kind == "corrupt-dense" and inj.step == step and self.rank == 0 and str(inj) not in self._fired:
+                self._corrupt(inj, lambda: self.dense_path if self.dense_path and self.dense_path.exists() else None)
         for inj in self.injections:
             if inj.kind == "trainer" and inj.step == step and inj.t is None and self._mine(inj):
                 self._fire(inj)

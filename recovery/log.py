@@ -363,7 +363,7 @@ class ShardLog:
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after ``step`` (a replayed step will write them again). A segment that
         starts after ``step`` goes: records of later steps are appended to the one open before it, and
-        ``records`` relies on no segment holding steps at or past the next one's first."""
+        ``records`` and ``replay`` rely on no segment holding steps at or past the next one's first."""
         removed = False
         for seg in self.segments():
             if self.first_step(seg) > step:
@@ -418,8 +418,10 @@ class ShardLog:
 
 
 def repair(path: Path) -> int:
-    """Cut a torn or corrupt tail at the last whole record; returns bytes cut."""
-    _, end = scan(path)
+    """Cut a torn tail (a record whose framing or length runs past the end) at the last whole
+    record; returns bytes cut. A whole record failing its CRC stays: a replay that needs its step
+    names it."""
+    _, end, _ = entries(path)
     size = path.stat().st_size
     if end < size:
         with open(path, "r+b") as f:

@@ -129,12 +129,12 @@ class Laps:
 
 
 def _wait_all(pending: list, durable: Callable[[], None] | None = None) -> None:
-    """``durable`` has returned and each log's records handed over before (``ShardLog.pending``)
-    are written."""
-    if durable is not None:
-        durable()
+    """Each log's records handed over before (``ShardLog.pending``) are written, then ``durable``
+    has returned: a dense state becomes the restart point only once the logs hold its steps."""
     for log, future in pending:
         log.wait_for(future)
+    if durable is not None:
+        durable()
 
 
 @dataclass
@@ -197,7 +197,9 @@ class RecoveryManager:
         self._redone: set[int] = set()
         self._as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self._seen_at: int | None = None  # commit_behind's step: failure records name it
-        self._phase = ""  # the phase whose failed shards rank 0 is restoring
+        self._newest_usable = 0  # the newest checkpoint step a restore in progress may use
+        self._last_update = np.zeros(n, dtype=np.int64)  # per shard: the last step that updated rows on it
+        self._rebuild = False  # resume from a checkpoint's dense state: every shard restored from it
         if self.log_dir is None and self.logs:
             self.log_dir = next(iter(self.logs.values())).dir.parent
 
@@ -361,7 +363,10 @@ class RecoveryManager:
         """The rows a step updated: sorted packed keys and their shards (``StepUpdate.updated_keys``,
         ``updated_shards``) as a pair, or a dict table name -> ids."""
         keys, shards = updated if isinstance(updated, tuple) else self._keys_of(updated)
-        self.counter.add(np.bincount(shards, minlength=self.store.num_shards).astype(np.int64))
+        counts = np.bincount(shards, minlength=self.store.num_shards).astype(np.int64)
+        self.counter.add(counts)
+        if step is not None:
+            self._last_update[counts > 0] = step
         for w in (self.priority, self.flusher):
             if w is not None:
                 w.observe(keys, shards)
@@ -428,9 +433,9 @@ class RecoveryManager:
         the step's rows move (the dense state of the step before), run on the thread that moves them."""
         behind = behind and self.write_behind and only is None
         if not behind:
+            self._wait_logs()  # the logs hold the steps before, then their dense state is the restart point
             if durable is not None:
                 durable()
-            self._wait_logs()
         if isinstance(owned, dict):
             owned = self._update_of(owned)
         keys, grads, shards = owned.keys, owned.grads, owned.shards
@@ -438,9 +443,10 @@ class RecoveryManager:
             at = np.flatnonzero(np.isin(shards, list(only)))
             keys, grads, shards = keys[at], grads[torch.from_numpy(at)], shards[at]
         if self.logs:  # a shard of this writer's with no row in the step still logs the step (complete, empty)
-            touched = set(np.unique(shards).tolist())
-            for s in sorted(set(self.logs) - touched if only is None else set(only) & set(self.logs) - touched):
-                self.log_step(step, s, keys[:0], np.zeros((0, 0), np.float32), wait=not behind)
+            rows_of = np.bincount(shards, minlength=self.store.num_shards)
+            for s in self.logs if only is None else sorted(set(only) & set(self.logs)):
+                if not rows_of[s]:
+                    self.log_step(step, s, keys[:0], np.zeros((0, 0), np.float32), wait=not behind)
         if not len(keys):
             return
         try:
@@ -593,8 +599,9 @@ class RecoveryManager:
         }
         for s in recovered:  # a write-behind's step the restore already covers is not redone
             self._as_of[s] = int(verdict[2 + s]) - 1
-        for s in range(n) if self.strategy.rolls_back else recovered:
-            if self.strategy.promotes:
+        rebuilt = verdict[1] > 0  # every shard restored from a checkpoint: no replica promoted
+        for s in range(n) if rebuilt else recovered:
+            if self.strategy.promotes and not rebuilt:
                 self.store.failover(s)  # every trainer serves the shard from its promoted replica
             else:
                 self.store.reconnect(s)  # connections to the old processes are dead
@@ -643,8 +650,10 @@ class RecoveryManager:
         journaled as its shard comes back. A shard that fails during the recovery of another is
         recovered in the same round."""
         self._mark_in_recovery(failed)
-        self._phase = phase
-        if self.strategy.rolls_back:
+        # a resume uses no checkpoint newer than its dense state (the phase is the step after it); at
+        # any other phase one of the phase's step is whole: its manifest exists only once it completed
+        self._newest_usable = step - 1 if phase == "resume" else step
+        if self.strategy.rolls_back or self._rebuild:
             rollback, rec = self._recover_full(failed, step)
             self._finish_record(rec, phase)
             self._mark_in_recovery([])
@@ -693,13 +702,11 @@ class RecoveryManager:
             kill_and_wait(pid)
 
     def _checkpoint_for(
-        self, shards: list[int], record: dict, step: int, lap: Callable[[str], None] = lambda _: None, whole=False
+        self, shards: list[int], record: dict, lap: Callable[[str], None] = lambda _: None, whole=False
     ) -> Checkpoint | None:
-        """The newest checkpoint a restore at ``step`` (the failed phase's) may use whose files a
+        """The newest checkpoint the restore in progress may use (``_newest_usable``) whose files a
         restore of ``shards`` needs verify: their snapshots, and with ``whole`` every file (the dense
-        state a rollback loads too). Corrupt ones are noted in ``record`` and passed over. A resume
-        uses none newer than its dense state (``step - 1``): a checkpoint's manifest exists only
-        once its step completed, so at any other phase one of ``step`` itself is whole."""
+        state a rollback loads too). Corrupt ones are noted in ``record`` and passed over."""
         if self.checkpointer is None:
             return None
         self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
@@ -714,7 +721,7 @@ class RecoveryManager:
             return self.checkpointer.latest_verified(
                 lambda c: None if whole else [c.shard_file(s).name for s in shards],
                 report,
-                max_step=step - 1 if self._phase == "resume" else step,
+                max_step=self._newest_usable,
             )
         except NoCheckpointError:
             return None
@@ -807,17 +814,24 @@ class RecoveryManager:
         """-> (failure record, the step the shard's rows are now as of)."""
         rec = self._base_record((self._kind(shard), shard), step)
         lap = Laps(rec)
-        ckpt = self._checkpoint_for([shard], rec, step, lap)
+        ckpt = self._checkpoint_for([shard], rec, lap)
         lap("checkpoint")
         base_step = ckpt.step if ckpt is not None else 0
         rec["restored_from_step"] = base_step if ckpt is not None else None
-        rec["restored_bytes"] = self._restore_shard(shard, ckpt, lap)
-        as_of = newest = base_step if ckpt is not None else -1
+        replay = None
         if self.strategy.replays_log:
             # the shard must come back as of every step before the phase's (and before the first
             # step of a failed write-behind, which is redone): the log proves it reaches that far
+            # before anything on the shard is touched
             need = min([step, *(st for _, st in self._redo.get(shard, []))]) - 1
-            replayed, as_of = self._replay(shard, base_step, need, lap)
+            replay = self._read_log(shard, base_step, need, lap)
+        rec["restored_bytes"] = self._restore_shard(shard, ckpt, lap)
+        as_of = newest = base_step if ckpt is not None else -1
+        if replay is not None:
+            groups, replayed, as_of = replay
+            if groups:
+                self.store.write_shard(shard, groups, step=as_of)
+            lap("replay_write")
             newest = max(newest, as_of)
             rec["restored_bytes"] += replayed
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
@@ -912,12 +926,12 @@ class RecoveryManager:
         self.lost.append(rec["lost_samples"])
         return rec, at
 
-    def _replay(
+    def _read_log(
         self, shard: int, after_step: int, need: int, lap: Callable[[str], None] = lambda _: None
-    ) -> tuple[int, int]:
-        """Write the shard's logged rows of the complete steps after ``after_step`` back, in log
-        order; the log must reach ``need`` (``LogGapError`` otherwise, before anything is written).
-        -> (bytes replayed, the last step replayed or ``after_step``)."""
+    ) -> tuple[list, int, int]:
+        """The shard's logged rows of the complete steps after ``after_step``, each row's newest;
+        the log must reach ``need`` (``LogGapError`` otherwise). -> ((table, ids, rows) groups to
+        write, bytes read, the last step they hold or ``after_step``)."""
         if self.log_dir is None:
             raise RecoveryError("log recovery needs --log-dir")
         log = ShardLog(self.log_dir, shard)
@@ -939,16 +953,13 @@ class RecoveryManager:
             uniq, first_from_end = np.unique(ids[::-1], return_index=True)
             groups.append((t, uniq, rows[len(ids) - 1 - first_from_end]))
         lap("replay_read")
-        if groups:
-            self.store.write_shard(shard, groups, step=last)
-        lap("replay_write")
-        return replayed, last
+        return groups, replayed, last
 
     def _recover_full(self, failed: list[int], step: int) -> tuple[int, dict]:
         rec = self._base_record(("shard", failed[0]), step)
-        rec["kind"] = self._kind(failed[0])
+        rec["kind"] = "dense-state" if self._rebuild else self._kind(failed[0])
         rec["failed_shards"] = failed
-        ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec, step, whole=True)
+        ckpt = self._checkpoint_for(list(range(self.store.num_shards)), rec, whole=True)
         if ckpt is None:
             corrupt = "; ".join(rec.get("corrupt_checkpoints", [])) or "none was taken"
             where = self.checkpointer.dir if self.checkpointer is not None else "(checkpoints off)"
@@ -998,12 +1009,15 @@ class RecoveryManager:
         for log in self.logs.values():
             log.open_segment(1)
 
-    def resume(self, step: int, t_restart: float, restored_bytes: int) -> Outcome:
+    def resume(self, step: int, t_restart: float, restored_bytes: int, rebuild: bool = False) -> Outcome:
         """After a trainer restart, with the dense state at ``step``: every shard back to ``step``.
 
         Logs lose records after ``step``; shards that applied ``step + 1`` undo it; shards that are
         dead (a node failure takes its shards too) or whose restore was cut short are recovered
-        under the run's strategy. Returns the protocol's outcome (``full`` may roll back further)."""
+        under the run's strategy. Returns the protocol's outcome (``full`` may roll back further).
+        ``rebuild``: the dense state is checkpoint ``step``'s (the per-step one was damaged): every
+        shard is restored from that checkpoint, whatever the strategy (a replica or a log is ahead
+        of it), and the outcome rolls back to it."""
         rolled: list[int] = []
         self._written_to = step
         if self.strategy.promotes or self._window is not None:  # the totals a loss is measured from
@@ -1027,6 +1041,11 @@ class RecoveryManager:
             recovered here is as of its restore (a log replay proves it reached ``step``)."""
             if self.rank != 0:
                 return
+            if rebuild:
+                if only is None:
+                    for s in range(self.store.num_shards):
+                        self._fail(s)
+                return
             for s in range(self.store.num_shards):
                 recovered = only is not None and s in only
                 if s in done and not recovered:
@@ -1036,7 +1055,10 @@ class RecoveryManager:
                     self.note(f"resume at step {step}: shard {s} unavailable")
                     continue
                 empty = applied is None and step > 0  # a server that came back empty (--resume): any strategy
-                if not recovered and (empty or (applied is not None and applied < step)):
+                # behind: a write that updated rows on it after its marker's step is not there (a
+                # shard with no row in a step keeps its marker: that is not behind)
+                behind = applied is not None and applied < min(step, int(self._last_update[s]))
+                if not recovered and (empty or behind):
                     self.note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
                     if empty and s in self._local and not self._flags[s]:  # --resume started it: nothing failed
                         self._started_empty.add(s)
@@ -1055,7 +1077,11 @@ class RecoveryManager:
 
         if self.injector is not None:
             self.injector.during("resume")
-        out = self.run_phase(step + 1, "resume", roll_back)
+        self._rebuild = rebuild
+        try:
+            out = self.run_phase(step + 1, "resume", roll_back)
+        finally:
+            self._rebuild = False
         self._started_empty.clear()  # from here on an empty shard is a failure
         last_checkpoint = max(c for c in self.counter.at_step if c <= step) if self.checkpointer is not None else step
         for log in self.logs.values():
@@ -1118,6 +1144,7 @@ class RecoveryManager:
             "lost": list(self.lost),
             "lost_since": {str(s): [st, tot] for s, (st, tot) in self._lost_since.items()},
             "failures": [dict(f) for f in self.failures],
+            "last_update": self._last_update.tolist(),
         }
 
     def load_state(self, state: dict) -> None:
@@ -1125,6 +1152,8 @@ class RecoveryManager:
         self.lost = list(state["lost"])
         self._lost_since = {int(s): (int(v[0]), list(v[1])) for s, v in state.get("lost_since", {}).items()}
         self.failures = [dict(f) for f in state["failures"]]
+        if "last_update" in state:
+            self._last_update = np.asarray(state["last_update"], dtype=np.int64)
 
 
 class NoRecovery:
@@ -1168,7 +1197,7 @@ class NoRecovery:
     def fresh_start(self) -> None:
         pass
 
-    def resume(self, step: int, t_restart: float, restored_bytes: int) -> Outcome:
+    def resume(self, step: int, t_restart: float, restored_bytes: int, rebuild: bool = False) -> Outcome:
         return CONTINUE
 
     def state(self) -> dict:

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="inject a failure (repeatable): shard:K@WHEN | stall:K@WHEN:SECONDS | trainer:R@WHEN | node:R@WHEN | "
-        "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N; WHEN is step=N, t=SECONDS (after training started) or, for shard "
+        "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N | corrupt-dense@step=N; WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
     tr.add_argument(

@@ -352,6 +352,8 @@ class RecoveryConfig:
                 _check(self.max_restarts > 0, "inject", str(inj), "a trainer failure needs --max-restarts >= 1")
             if inj.kind == "corrupt-checkpoint":
                 _check(self.checkpoint_every > 0, "inject", str(inj), "needs --checkpoint-every K > 0")
+            if inj.kind == "corrupt-dense":
+                _check(self.max_restarts > 0, "inject", str(inj), "needs --max-restarts >= 1 (per-step dense state)")
             if inj.kind == "corrupt-log":
                 _check(
                     strategy.replays_log or bool(self.log_dir), "inject", str(inj), "needs update logs (--recovery log)"

@@ -234,7 +234,16 @@ def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collec
     strategy = Strategy(rc.recovery)
     run_dir = Path(cfg.train.out)
     pidfiles = [s.pidfile for s in specs] if specs else [None] * store.num_shards
-    injector = Injector(rc.injections, rank, pidfiles, run_dir, world, urls=store.urls, log_dir=cfg.log_dir)
+    injector = Injector(
+        rc.injections,
+        rank,
+        pidfiles,
+        run_dir,
+        world,
+        urls=store.urls,
+        log_dir=cfg.log_dir,
+        dense_path=Path(cfg.checkpoint_dir) / "dense_latest.pt",
+    )
     logs = {}
     if cfg.log_dir:
         logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(store.num_shards) if s % world == rank}
@@ -654,10 +663,11 @@ class Trainer:
         """Fresh start, or resume after a trainer restart from the per-step dense state (or, when
         that file fails its checksum, from the newest checkpoint whose files all verify: every
         shard then rolls back to it, and the steps since are trained again)."""
+        rebuild = False
         try:
             resumed = self.dense_saver.load()
         except CorruptCheckpointError as e:
-            resumed = self._resume_from_checkpoint(str(e))
+            resumed, rebuild = self._resume_from_checkpoint(str(e)), True
         if self.rank == 0:
             self.out = RunOutputs(self.cfg, append=resumed is not None)
         t_restart = time.time()
@@ -677,7 +687,7 @@ class Trainer:
             return
         if self.recovery.flusher is not None:
             self.recovery.flusher.suspend()  # rows dirtied before the restart are unknown
-        out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size)
+        out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
 

@@ -216,3 +216,22 @@ def test_a_corrupt_flush_ends_the_replay_at_the_last_good_one_and_a_corrupt_prio
         assert priority.overlay(tmp_path / "priority", st, 1, 10, 20, on_corrupt=seen.append) == (0, 0, 10)
         assert len(seen) == 1 and "CRC32C mismatch" in str(seen[0])
         assert np.all(st.read_rows("t0", ids) == 1.0)
+
+
+def test_a_damaged_dense_state_under_replica_restores_every_shard_from_the_checkpoint(tmp_path, baseline):
+    """The replicas hold every write up to the trainer's death, ahead of the checkpoint a damaged
+    per-step dense state falls back to: promoting them would apply those steps twice. Every shard is
+    restored from that checkpoint instead, and the run ends where a run without failures ends."""
+    flags = ["--recovery", "replica", "--replicas", "local", "--checkpoint-every", "10", "--max-restarts", "1"]
+    flags += ["--no-write-behind", "--inject", "corrupt-dense@step=25", "--inject", "trainer:0@step=25"]
+    out = tmp_path / "run"
+    proc = run(out, *ONE, *flags)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+    (f,) = [f for f in s["failures"] if f["kind"] == "dense-state"]
+    # the newest checkpoint whose files all verify (the one of step 20 may still have been written
+    # in the background when the trainer died)
+    assert f["restored_from_step"] in (10, 20) and f["failed_shards"] == [0, 1], f
+    assert "dense_latest.pt fails its checksum" in proc.stderr
+    assert f"checkpoint of step {f['restored_from_step']}" in proc.stderr
