@@ -141,7 +141,7 @@ def write_shard_config(spec: ShardSpec) -> Path:
     return path
 
 
-def _log_tail(spec: ShardSpec) -> str:
+def log_tail(spec: ShardSpec) -> str:
     try:
         return (Path(spec.workdir) / "redis.log").read_text().strip().splitlines()[-1]
     except (OSError, IndexError):
@@ -164,7 +164,7 @@ def wait_ready(spec: ShardSpec, proc: subprocess.Popen, timeout_s: float) -> tup
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                return False, f"exited with {proc.returncode}: {_log_tail(spec)}"
+                return False, f"exited with {proc.returncode}: {log_tail(spec)}"
             try:
                 if client.ping():
                     return True, ""

@@ -35,7 +35,7 @@ from pathlib import Path
 import redis
 
 from embeddings.errors import EmbeddingStoreError, ShardUnavailableError
-from embeddings.launcher import ShardSpec, _log_tail
+from embeddings.launcher import ShardSpec, log_tail
 from recovery.dense import clone_state
 from recovery.errors import CheckpointsAbandonedError, CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.files import fsync_dir, name_path, write_atomic
@@ -360,7 +360,7 @@ class Checkpointer:
                 if info["rdb_last_bgsave_status"] != "ok":
                     raise RecoveryError(
                         f"shard {spec.index} (port {spec.port}): background snapshot to {spec.rdb_path} failed "
-                        f"(its log: {_log_tail(spec)})"
+                        f"(its log: {log_tail(spec)})"
                     )
                 return
             time.sleep(0.01)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +38,6 @@ import crc32c
 import numpy as np
 
 from embeddings import rowkeys
-from embeddings.redis_store import BEHIND
 from recovery.errors import LogGapError, RecoveryError
 from recovery.files import fsync_dir, write_atomic
 
@@ -273,15 +271,15 @@ class ShardLog:
         """The write of the records handed over so far (None: all written): for ``wait_for``."""
         return self._pending
 
-    def wait_for(self, pending: Future | None) -> None:
-        """Those records are written. A wait on the write-behind thread is off the training path
-        (``behind_seconds``); any other is on it (``seconds``)."""
+    def wait_for(self, pending: Future | None, behind: bool = False) -> None:
+        """Those records are written. ``behind``: the caller is the write-behind thread, whose wait
+        is off the training path (``behind_seconds``); any other is on it (``seconds``)."""
         if pending is None:
             return
         t0 = time.perf_counter()
         pending.result()
         waited = time.perf_counter() - t0
-        if threading.current_thread().name.startswith(BEHIND):
+        if behind:
             self.behind_seconds += waited
         else:
             self.seconds += waited

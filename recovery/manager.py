@@ -129,10 +129,11 @@ class Laps:
 
 
 def _wait_all(pending: list, durable: Callable[[], None] | None = None) -> None:
-    """Each log's records handed over before (``ShardLog.pending``) are written, then ``durable``
-    has returned: a dense state becomes the restart point only once the logs hold its steps."""
+    """On the write-behind thread, before a write moves: each log's records handed over before
+    (``ShardLog.pending``) are written, then ``durable`` has returned (a dense state becomes the
+    restart point only once the logs hold its steps)."""
     for log, future in pending:
-        log.wait_for(future)
+        log.wait_for(future, behind=True)
     if durable is not None:
         durable()
 
@@ -247,6 +248,11 @@ class RecoveryManager:
         self._detected.setdefault(shard, now)
         since = getattr(self._guarded, "since", None)
         self._call_began.setdefault(shard, since if since is not None else now)
+
+    def detected(self, shard: int, at: float) -> None:
+        """A failure of ``shard`` seen at ``at`` (``time.time()``) by a caller outside the protocol
+        (the recovery benchmark kills a shard and recovers it directly): its record times from there."""
+        self._detected[shard] = at
 
     def sync(self) -> list[int]:
         """Failed shards seen by any trainer since the last commit point (a collective)."""

@@ -561,7 +561,7 @@ def bench_scaling(args) -> list[dict]:
                 sh.kill(0)
                 t0 = time.time()
                 before()
-                mgr._detected[0] = t0
+                mgr.detected(0, t0)
                 mgr.recover([0], 3, "bench")
                 return mgr.failures[0]["recovery_s"]
 
