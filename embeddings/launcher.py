@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,9 +307,13 @@ def shard_servers(spec: ShardSpec) -> list[int]:
     except (OSError, ValueError):
         pass
     title = f"redis-server {spec.host}:{spec.port}".encode()  # argv[0] may carry a path
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            pids.add(int(entry.name))
+    pids.update(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
+    # the recorded pid counts only while it is still a redis-server (not reused)
+    return _live(pids, lambda pid, cmd: cmd.rstrip(b"\0").endswith(title) or (pid == recorded and b"redis" in cmd))
+
+
+def _live(pids, ours: Callable[[int, bytes], bool]) -> list[int]:
+    """Of ``pids``, the live (not zombie) processes whose command line ``ours(pid, cmdline)`` accepts."""
     out = []
     for pid in pids:
         try:
@@ -316,8 +321,7 @@ def shard_servers(spec: ShardSpec) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        ours = cmd.rstrip(b"\0").endswith(title) or (pid == recorded and b"redis" in cmd)  # pid not reused
-        if ours and process_state(pid) not in (None, "Z"):
+        if ours(pid, cmd) and process_state(pid) not in (None, "Z"):
             out.append(pid)
     return sorted(out)
 
@@ -418,16 +422,7 @@ def folder_servers(root: Path) -> list[int]:
                 continue
             if cwd == str(root) or cwd.startswith(str(root) + os.sep):
                 pids.add(int(entry.name))
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if b"redis-server" in cmd and process_state(pid) not in (None, "Z"):
-            out.append(pid)
-    return sorted(out)
+    return _live(pids, lambda pid, cmd: b"redis-server" in cmd)
 
 
 def remove_stale_folders(parent: str | os.PathLike | None = None) -> list[Path]:

@@ -47,20 +47,26 @@ class StagedRows:
         return self.source.pull_keys(keys)
 
 
+def open_store(cfg: RunConfig, urls: list[str], namespace: str, replicas: bool = True) -> RedisStore:
+    """The run's store over ``urls``: its tables, row optimizer, placement and timeout (with the
+    replicas of ``--replicas`` unless ``replicas`` is False)."""
+    return RedisStore(
+        urls,
+        table_set(cfg),
+        row_optimizer(cfg),
+        namespace=namespace,
+        seed=cfg.train.seed,
+        placement=cfg.embeddings.placement,
+        timeout_s=cfg.embeddings.timeout_s,
+        replica_urls=(cfg.embeddings.replica_urls or None) if replicas else None,
+    )
+
+
 class StoreBackend:
     def __init__(self, cfg: RunConfig, urls: list[str], namespace: str, world_size: int, rank: int) -> None:
         self.cfg = cfg
         self.world_size, self.rank = world_size, rank
-        self.store = RedisStore(
-            urls,
-            table_set(cfg),
-            row_optimizer(cfg),
-            namespace=namespace,
-            seed=cfg.train.seed,
-            placement=cfg.embeddings.placement,
-            timeout_s=cfg.embeddings.timeout_s,
-            replica_urls=cfg.embeddings.replica_urls or None,
-        )
+        self.store = open_store(cfg, urls, namespace)
         self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}

@@ -237,21 +237,12 @@ def claim_namespace(
 ) -> list[int]:
     """Claim ``namespace`` on the run's shards (``embeddings.ownership``) for run ``run_id`` in
     ``cfg.train.out``. -> the shards whose keys a take-over deleted."""
-    from embeddings import RedisStore
     from embeddings.ownership import Claim
     from embeddings.ownership import claim_namespace as claim
-    from recsys.model import row_optimizer, table_set
+    from recsys.backends import open_store
 
     out = os.path.abspath(cfg.train.out)
-    store = RedisStore(
-        urls,
-        table_set(cfg),
-        row_optimizer(cfg),
-        namespace=namespace,
-        seed=cfg.train.seed,
-        placement=cfg.embeddings.placement,
-        timeout_s=cfg.embeddings.timeout_s,
-    )
+    store = open_store(cfg, urls, namespace, replicas=False)  # the claim lives on the primaries
 
     def alive(owner: Claim) -> int | None:
         if os.path.abspath(owner.out) == out:
