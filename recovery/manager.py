@@ -856,7 +856,12 @@ class RecoveryManager:
                 rec["restored_bytes"] += nbytes
                 rec["saved_updates"] = saved
                 lap("overlay")
-            if self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
+            if self.flusher is not None and ckpt is None:
+                # no checkpoint to lay flushes on: those before the oldest checkpoint kept are gone,
+                # so the later ones alone would leave rows dirtied only in those as fresh values.
+                # The shard restarts empty and every update since step 0 is counted lost.
+                rec["flushed_to_step"] = None
+            elif self.flusher is not None:  # incremental: the flushes since the checkpoint, in order
                 nbytes, as_of = incremental.replay(
                     self.flusher.dir, self.store, shard, base_step, step - 1, on_corrupt=note_corrupt
                 )

@@ -235,3 +235,28 @@ def test_a_damaged_dense_state_under_replica_restores_every_shard_from_the_check
     assert f["restored_from_step"] in (10, 20) and f["failed_shards"] == [0, 1], f
     assert "dense_latest.pt fails its checksum" in proc.stderr
     assert f"checkpoint of step {f['restored_from_step']}" in proc.stderr
+
+
+def test_incremental_without_a_whole_checkpoint_counts_every_update_since_step_zero(tmp_path):
+    """Every checkpoint corrupt: the flushes before the oldest one kept are gone, so laying the later
+    ones on an empty shard would leave rows dirtied only in those as fresh values. The shard restarts
+    empty and every update to it since step 0 is counted lost (a log kept since step 1 counts them)."""
+    full_log = tmp_path / "full-log"
+    counted = run(
+        tmp_path / "count", *ONE, "--checkpoint-every", "0", "--log-dir", str(full_log), "--max-restarts", "1"
+    )
+    assert counted.returncode == 0, counted.stderr[-3000:]
+    out = tmp_path / "run"  # trainer deaths (the shards live on until the launcher ends): no shard failed before
+    flags = [*ONE, "--recovery", "incremental", "--flush-every", "5", *CRASH[:6]]
+    proc = run(out, *flags, "--inject", "trainer:0@step=24", "--inject", "trainer:0@step=36")
+    assert proc.returncode == 1 and "all used" in proc.stderr, proc.stderr[-3000:]
+    d = dense_step(out)
+    for f in (out / "checkpoints").glob("step_*/shard*.rdb"):
+        flip(f)
+    s = train_cli(out, "--resume", str(out))
+    recs = [f for f in s["failures"] if f["strategy"] == "incremental"]
+    assert sorted(f["target"] for f in recs) == [0, 1], s["failures"]
+    for f in recs:
+        assert f["phase"] == "resume" and f["flushed_to_step"] is None, f
+        logged = sum(len(r.ids) for r in ShardLog(full_log, f["target"]).records(after_step=0, up_to_step=d))
+        assert f["lost_updates"] == logged > 0, (f, logged)
