@@ -13,12 +13,14 @@ train: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 # unit and single-server tests (about a minute and a half here): before every commit
 test-fast: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "unit or redis"
 
 lint: setup

@@ -14,6 +14,7 @@ one step after a trainer restart).
 from __future__ import annotations
 
 import contextlib
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ import numpy as np
 import redis
 from redis.crc import key_slot
 
+from embeddings import groups as codec
 from embeddings import rowkeys
 from embeddings.cluster import is_cluster_url, node_url, owner_of, owners, seed_urls, shard_tags
 from embeddings.endpoints import POLICY_FIX, one_try, policy_problem, redact, server_state
@@ -719,12 +721,15 @@ class RedisStore(StoreBase):
         if applied < to_step:
             return 0
         blob = self._call(shard, lambda: self._locked_get(shard, self.meta_key("undo", shard)))
+        try:
+            undo_step, groups = decode_groups(blob) if blob else (None, [])
+        except codec.GroupsError as e:
+            raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: its undo record is damaged ({e})") from e
         if applied == to_step:  # complete at to_step, unless a write of to_step + 1 was cut short
-            if not blob or decode_groups(blob)[0] != to_step + 1:
+            if undo_step != to_step + 1:
                 return 0
         elif blob is None:
             raise ShardDataError(f"shard {shard} at {self.endpoints[shard]}: applied step {applied} has no undo record")
-        undo_step, groups = decode_groups(blob) if blob else (None, [])
         if undo_step != to_step + 1:
             raise ShardDataError(
                 f"shard {shard} at {self.endpoints[shard]}: at step {applied}, cannot roll back to {to_step} "
@@ -806,28 +811,19 @@ class RedisStore(StoreBase):
             p.disconnect()
 
 
-def encode_groups(step: int, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> bytes:
-    """step, then per group: table, n, width, ids [n] u64, rows [n, width] f32 (little-endian)."""
-    out = [np.array([step, len(groups)], "<u8").tobytes()]
-    for t, ids, rows in groups:
-        out.append(np.array([t, len(ids), rows.shape[1]], "<u4").tobytes())
-        out.append(np.ascontiguousarray(ids, "<u8").tobytes())
-        out.append(np.ascontiguousarray(rows, "<f4").tobytes())
-    return b"".join(out)
+_UNDO_STEP = struct.Struct("<Q")
 
 
-def decode_groups(blob: bytes) -> tuple[int, list[tuple[int, np.ndarray, np.ndarray]]]:
-    step, ngroups = np.frombuffer(blob, "<u8", 2, 0).tolist()
-    pos, groups = 16, []
-    for _ in range(ngroups):
-        t, n, width = np.frombuffer(blob, "<u4", 3, pos).tolist()
-        pos += 12
-        ids = np.frombuffer(blob, "<u8", n, pos).astype(np.int64)
-        pos += 8 * n
-        rows = np.frombuffer(blob, "<f4", n * width, pos).reshape(n, width).copy()
-        pos += 4 * n * width
-        groups.append((t, ids, rows))
-    return int(step), groups
+def encode_groups(step: int, groups: list[codec.Group]) -> bytes:
+    """An undo record: the step (u64, little-endian), then the rows' groups (``embeddings.groups``)."""
+    return codec.encode(groups, prefix=_UNDO_STEP.pack(step))
+
+
+def decode_groups(blob: bytes) -> tuple[int, list[codec.Group]]:
+    """An undo record -> (its step, its groups); ``GroupsError`` when it does not decode."""
+    if len(blob) < _UNDO_STEP.size:
+        raise codec.GroupsError(f"{len(blob)} bytes, too short for an undo record")
+    return _UNDO_STEP.unpack_from(blob)[0], codec.decode(blob, _UNDO_STEP.size, copy=True)
 
 
 def _chunks(it, n):

@@ -9,7 +9,7 @@ state, apply the optimizer, write back.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from embeddings.errors import DimMismatchError, RowRangeError
 from embeddings.optim import RowOptimizer
 from embeddings.rowinit import init_rows
 from embeddings.tables import TableSet
+
+if TYPE_CHECKING:
+    from embeddings.held import HeldRows
 
 # table index -> [n] int64 ids
 IdsByTable = dict[int, np.ndarray]
@@ -49,6 +52,21 @@ class EmbeddingStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class StoreCounters(Protocol):
+    """What a store counts of its own work, for a run's summary (every store keeps these; a store
+    without held rows, write-behind or restores reports None and zeros)."""
+
+    held: HeldRows | None  # rows the store's writer keeps in memory; None: none
+    behind_wait_s: float  # the caller waiting at the commit point of a write-behind
+    rows_written: int  # rows the training steps' writes put on the store (``apply_keys``)
+    # after a shard was restored: reading held rows back (seconds), and the held rows that were
+    # held again, known absent, read back
+    reload_s: float
+    reload_kept: int
+    reload_absent: int
+    reload_read: int
 
 
 class StoreBase:
@@ -205,12 +223,18 @@ class StoreBase:
 
 
 class InProcessStore(StoreBase):
-    """The plain reference: a dict of rows per table, in this process."""
+    """The plain reference: a dict of rows per table, in this process. Its ``StoreCounters``: no
+    held rows, no write-behind, nothing restored; ``rows_written`` counts as ``RedisStore``'s does."""
 
     def __init__(self, tables: TableSet, optimizer: RowOptimizer, seed: int = 0) -> None:
         super().__init__(tables, optimizer, seed)
         self._rows: list[dict[int, np.ndarray]] = [{} for _ in tables]
         self.applied_step: int | None = None
+        self.held: HeldRows | None = None
+        self.behind_wait_s = 0.0
+        self.rows_written = 0
+        self.reload_s = 0.0
+        self.reload_kept = self.reload_absent = self.reload_read = 0
 
     def _fetch(self, requests):
         out = {}
@@ -225,6 +249,10 @@ class InProcessStore(StoreBase):
                     missing[i] = False
             out[t] = (rows, missing)
         return out
+
+    def _store_keys(self, keys, rows, step=None, undo=None) -> None:
+        super()._store_keys(keys, rows, step=step, undo=undo)
+        self.rows_written += len(keys)
 
     def _store(self, requests, step=None, undo=None):
         if step is not None:

@@ -1,4 +1,4 @@
-"""Lost-update and lost-sample accounting (pure functions).
+"""Lost-update and lost-sample accounting: the counters, the formulas, and the ledger of restores.
 
 PLS, the portion of lost samples: for each partial recovery of shard K restored to checkpoint c,
 the samples trained since c weighted by the share of the embedding updates since c that shard K
@@ -43,3 +43,114 @@ def lost_samples(samples_since_checkpoint: int, shard_updates_since: int, all_up
 
 def pls(lost: list[float], samples_trained: int) -> float:
     return float(sum(lost) / samples_trained) if samples_trained > 0 else 0.0
+
+
+RECENT = 512  # steps of update totals kept for replica and window loss accounting
+
+
+class Ledger:
+    """What each restore loses, counted exactly: updates per shard since the state a shard came
+    back as of, and the samples they stand for (``lost_samples``).
+
+    ``counter``: update totals per shard, with snapshots at checkpoints and flushes; ``recent``: the
+    totals of the last ``RECENT`` steps (a replica or a window's restore is as of any step);
+    ``since``: shard -> (step, totals) of its last partial restore, so that updates counted lost
+    then are not counted again; ``last_update``: per shard, the last step that updated rows on it
+    (a resume finds a shard behind only against it)."""
+
+    def __init__(
+        self, num_shards: int, batch_size: int, counter: UpdateCounter | None = None, recent=False, windowed=False
+    ) -> None:
+        self.counter = counter or UpdateCounter(num_shards)
+        self.batch_size = batch_size
+        self.keep_recent = recent or windowed
+        self.windowed = windowed  # write-behind windows: a failed window's steps are redone, not lost
+        self.lost: list[float] = []
+        self.since: dict[int, tuple[int, list[int]]] = {}
+        self.recent: dict[int, np.ndarray] = {}
+        self.last_update = np.zeros(num_shards, dtype=np.int64)
+
+    def count(self, shards: np.ndarray, step: int | None) -> None:
+        """A step's updated rows, by shard."""
+        counts = np.bincount(shards, minlength=len(self.counter.total)).astype(np.int64)
+        self.counter.add(counts)
+        if step is None:
+            return
+        self.last_update[counts > 0] = step
+        if self.keep_recent:
+            self.recent[step] = self.counter.total.copy()
+            self.recent.pop(step - RECENT, None)
+
+    def totals_at(self, step: int) -> np.ndarray | None:
+        return self.recent.get(step, self.counter.at_step.get(step))
+
+    def lost_until(self, completed: int, redo_steps: list[int]) -> tuple[int, np.ndarray]:
+        """The last step whose updates to a shard a restore loses, and the update totals as of it:
+        ``completed``, or with windows the step before the failed write's first step (that write's
+        steps are redone on the restored shard, so they are not lost)."""
+        if not self.windowed or not redo_steps:
+            return completed, self.counter.total
+        end = min(redo_steps) - 1
+        totals = self.totals_at(end)
+        if end <= 0:
+            totals = np.zeros_like(self.counter.total)
+        if end >= completed or totals is None:
+            return completed, self.counter.total
+        return end, totals
+
+    def partial(self, rec: dict, shard: int, as_of: int, completed: int, saved: int, redo_steps: list[int]) -> None:
+        """A shard restored as of step ``as_of`` (plus ``saved`` of its updates since, overlaid):
+        the rest of its updates up to ``completed`` are lost. Updates counted lost at an earlier
+        failure of the shard are not lost again."""
+        since_step, since_totals = as_of, self.counter.at_step.get(as_of, np.zeros_like(self.counter.total))
+        earlier = self.since.get(shard)
+        if earlier is not None and earlier[0] > as_of:
+            since_step, since_totals = earlier[0], np.asarray(earlier[1], dtype=np.int64)
+        end, end_totals = self.lost_until(completed, redo_steps)
+        since = end_totals - since_totals if end > since_step else np.zeros_like(since_totals)
+        rec["lost_updates"] = max(int(since[shard]) - saved, 0)
+        samples_since = max(0, end - since_step) * self.batch_size
+        rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
+        self.lost.append(rec["lost_samples"])
+        self.since[shard] = (completed, self.counter.total.tolist())
+        rec["_since"] = [completed, self.counter.total.tolist()]
+
+    def replica(self, rec: dict, shard: int, at: int, completed: int, redo_steps: list[int]) -> None:
+        """A promoted replica holds every write up to its applied step ``at``: the later ones are lost."""
+        end, end_totals = self.lost_until(completed, redo_steps)
+        if at >= end:
+            rec["lost_updates"], rec["lost_samples"] = 0, 0.0
+        else:
+            known = [k for k in self.recent if k <= at] or [k for k in self.counter.at_step if k <= at]
+            base = max(known)  # the replica's step, or the newest step before it we hold totals of
+            since = end_totals - self.totals_at(base)
+            rec["lost_updates"] = int(since[shard])
+            rec["lost_samples"] = round(
+                lost_samples((end - at) * self.batch_size, rec["lost_updates"], int(since.sum())), 3
+            )
+        self.lost.append(rec["lost_samples"])
+
+    def rolled_back(self, to_step: int) -> None:
+        self.counter.total = self.counter.at_step.get(to_step, np.zeros_like(self.counter.total)).copy()
+
+    def from_journal(self, failures: list[dict]) -> None:
+        """After a restart: the losses so far are the journal's (the dense state may be older)."""
+        self.lost = [f["lost_samples"] for f in failures if "_since" in f]
+        for f in failures:
+            if "_since" in f:
+                self.since[int(f["target"])] = (int(f["_since"][0]), list(f["_since"][1]))
+
+    def state(self) -> dict:
+        return {
+            "counter": self.counter.state(),
+            "lost": list(self.lost),
+            "lost_since": {str(s): [st, tot] for s, (st, tot) in self.since.items()},
+            "last_update": self.last_update.tolist(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.counter.load(state["counter"])
+        self.lost = list(state["lost"])
+        self.since = {int(s): (int(v[0]), list(v[1])) for s, v in state.get("lost_since", {}).items()}
+        if "last_update" in state:
+            self.last_update = np.asarray(state["last_update"], dtype=np.int64)

@@ -36,11 +36,10 @@ import redis
 
 from embeddings.errors import EmbeddingStoreError, ShardUnavailableError
 from embeddings.launcher import ShardSpec, log_tail
+from recovery import layout
 from recovery.dense import clone_state
 from recovery.errors import CheckpointsAbandonedError, CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.files import fsync_dir, name_path, write_atomic
-
-MANIFEST = "manifest.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -83,7 +82,7 @@ class Checkpoint:
     meta: dict = field(default_factory=dict)
 
     def shard_file(self, shard: int) -> Path:
-        return self.path / f"shard{shard}.rdb"
+        return layout.shard_snapshot(self.path, shard)
 
     def verify(self, names: list[str] | None = None) -> int:
         """Check the SHA-256 of ``names`` (default: every file); returns bytes checked."""
@@ -108,8 +107,8 @@ def list_checkpoints(directory: str | os.PathLike, run: str | None = None) -> li
     d = Path(directory)
     if not d.is_dir():
         return out
-    for p in sorted(d.glob("step_*"), reverse=True):
-        m = p / MANIFEST
+    for p in reversed(layout.step_dirs(d)):
+        m = layout.manifest_file(p)
         try:
             doc = json.loads(m.read_text())
             c = Checkpoint(step=int(doc["step"]), path=p, files=dict(doc["files"]), meta=doc.get("meta", {}))
@@ -157,7 +156,7 @@ def abandon_cause(e: BaseException, path: Path) -> tuple[str, bool]:
         e = inner[0] if inner else e
     for x in _chain(e):  # DCP's writer reports a failed write as an opaque RuntimeError
         if isinstance(x, OSError) and x.errno and not isinstance(x, ConnectionError):
-            where = x.filename or _newest_file(path / "dense") or path
+            where = x.filename or _newest_file(layout.dense_dcp_dir(path)) or path
             return f"{x.strerror or x}: {where}", True
     if isinstance(e, (ShardUnavailableError, redis.ConnectionError, redis.TimeoutError)):
         return str(e), False
@@ -194,6 +193,9 @@ class Checkpointer:
         on_saved: Callable[[Checkpoint], None] = lambda c: None,
         snapshot_timeout_s: float = 600.0,
         run: str | None = None,
+        on_fork: Callable[[int], None] = lambda shard: None,
+        warn: Callable[[str], None] | None = None,
+        max_abandoned: int = 3,
     ) -> None:
         self.run = run
         if keep < 1:
@@ -212,14 +214,14 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._begun: tuple[int, float, dict[int, int]] | None = None
-        self.on_fork: Callable[[int], None] = lambda shard: None  # after each shard's fork (injection)
+        self.on_fork = on_fork  # after each shard's fork (injection)
         self.history: list[SaveStats] = []
-        self.warn: Callable[[str], None] = _warn  # the line of an abandoned checkpoint (rank 0)
-        self.max_abandoned = 3  # abandoned in a row (for a cause that repeats) stop the run; 0: never
+        self.warn = warn or _warn  # the line of an abandoned checkpoint (rank 0)
+        self.max_abandoned = max_abandoned  # abandoned in a row (for a cause that repeats) stop the run; 0: never
         self.abandoned_in_row: list[SaveStats] = []
 
     def path(self, step: int) -> Path:
-        return self.dir / f"step_{step:010d}"
+        return layout.step_dir(self.dir, step)
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, step: int, dense_state: dict, meta: dict) -> SaveStats:
@@ -249,7 +251,7 @@ class Checkpointer:
                     if same and not isinstance(saves_before[same[0]], int):  # one fork per server (a cluster
                         saves_before[s] = same[0]  # node serves several logical shards): its file is shared
                         continue
-                    snap = self.store.snapshot(s, path / f"shard{s}.rdb", self.snapshot_timeout_s)
+                    snap = self.store.snapshot(s, layout.shard_snapshot(path, s), self.snapshot_timeout_s)
                     snap.start()  # returns once the server forked
                     saves_before[s] = snap
                 self.on_fork(s)
@@ -302,28 +304,28 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.save(dense, checkpoint_id=str(path / "dense"), no_dist=True)  # rank 0 alone: no collective
+            dcp.save(dense, checkpoint_id=str(layout.dense_dcp_dir(path)), no_dist=True)  # rank 0 alone: no collective
             files = {}
             for s, before in saves_before.items():  # every fork has written its file: from here on no shard is needed
                 if isinstance(before, int) and s in self.local and not self.network_only:
                     self._wait_snapshot(self.local[s], before)
             for s, before in saves_before.items():
                 if isinstance(before, int) and s in self.local and not self.network_only:
-                    digest, n = copy_hashed(self.local[s].rdb_path, path / f"shard{s}.rdb")
+                    digest, n = copy_hashed(self.local[s].rdb_path, layout.shard_snapshot(path, s))
                 elif isinstance(before, int):  # the same server's snapshot as shard ``before``
-                    digest, n = copy_hashed(path / f"shard{before}.rdb", path / f"shard{s}.rdb")
+                    digest, n = copy_hashed(layout.shard_snapshot(path, before), layout.shard_snapshot(path, s))
                 else:
                     digest, n = before.finish()
-                files[f"shard{s}.rdb"] = digest
+                files[layout.shard_snapshot_name(s)] = digest
                 stats.bytes += n
-            for p in sorted((path / "dense").rglob("*")):
+            for p in sorted(layout.dense_dcp_dir(path).rglob("*")):
                 if p.is_file():
                     files[str(p.relative_to(path))] = sha256_file(p)
                     stats.bytes += p.stat().st_size
-            write_json_atomic(path / "meta.json", meta)
-            files["meta.json"] = sha256_file(path / "meta.json")
+            write_json_atomic(layout.meta_file(path), meta)
+            files[layout.META] = sha256_file(layout.meta_file(path))
             fsync_dir(path)
-            write_json_atomic(path / MANIFEST, {"step": step, "files": files, "meta": meta})
+            write_json_atomic(layout.manifest_file(path), {"step": step, "files": files, "meta": meta})
             stats.total_s = time.perf_counter() - t0
             ckpt = Checkpoint(step, path, files, meta)
             for old in list_checkpoints(self.dir, self.run)[self.keep :]:
@@ -401,8 +403,8 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         path = self.path(step)
-        dcp.load(dense_state, checkpoint_id=str(path / "dense"), no_dist=True)  # rank 0 wrote it for all
-        return json.loads((path / "meta.json").read_text())
+        dcp.load(dense_state, checkpoint_id=str(layout.dense_dcp_dir(path)), no_dist=True)  # rank 0 wrote it for all
+        return json.loads(layout.meta_file(path).read_text())
 
     def candidates(self) -> list[Checkpoint]:
         return list_checkpoints(self.dir, self.run)

@@ -30,6 +30,7 @@ import torch
 
 from recovery.errors import CorruptCheckpointError
 from recovery.files import name_path
+from recovery.layout import dense_latest
 
 MAGIC = b"RDS1"
 _HEADER = struct.Struct("<4sIQ")
@@ -114,7 +115,7 @@ def unpack(packed: dict):
 class DenseSaver:
     def __init__(self, directory: str | os.PathLike, namespace: str, writer: bool = True) -> None:
         self.writer = writer  # rank 0 writes; every trainer reads it back after a restart
-        self.path = Path(directory) / "dense_latest.pt"
+        self.path = dense_latest(directory)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
         if writer:  # what a killed writer left half-way: never the state of any step

@@ -38,10 +38,6 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     fsync_dir(path.parent)
 
 
-TRAINER_FAILURES = "trainer_failures.jsonl"  # one line per trainer death (injector, launcher)
-FAILURES = "failures.jsonl"  # the run's failure records, appended by rank 0 as each recovery ends
-
-
 def append_line(path: Path, record: dict) -> None:
     """Append one JSON line and fsync it (a line torn by a kill is skipped by readers)."""
     import json

@@ -21,7 +21,7 @@ import numpy as np
 
 from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
-from recovery import rowfiles
+from recovery import layout, rowfiles
 from recovery.errors import CorruptCheckpointError
 from recovery.files import fsync_dir
 from recovery.rowfiles import ShardRowsSaver
@@ -34,7 +34,7 @@ class Flusher(ShardRowsSaver):
         super().__init__(directory, store, shards, "flush")
         self.half = half
         for s in self.shards:
-            (self.dir / f"shard{s}").mkdir(parents=True, exist_ok=True)
+            layout.flush_shard_dir(self.dir, s).mkdir(parents=True, exist_ok=True)
         # one flag per row of each table (a byte, like the held rows' state): dirty since the last flush
         self._dirty = [np.zeros(spec.num_rows, bool) for spec in store.tables.specs]
         self.num_flushes = 0
@@ -87,9 +87,7 @@ class Flusher(ShardRowsSaver):
                     if len(pos) and s in groups:
                         groups[s].append((t, tids[pos], rows[t][pos]))
             for s in sorted(self.shards):
-                self.writer.write(
-                    self.dir / f"shard{s}" / f"flush_{step:010d}.bin", step, 0, groups[s], dims, self.half
-                )
+                self.writer.write(layout.flush_file(self.dir, s, step), step, 0, groups[s], dims, self.half)
 
         self.writer.run(write)
         self.num_flushes += 1
@@ -98,8 +96,8 @@ class Flusher(ShardRowsSaver):
 
 def flush_files(directory: Path, shard: int, after_step: int, upto: int | None = None) -> list[Path]:
     """The shard's flush files of steps after ``after_step`` (and at ``upto`` or before), oldest first."""
-    files = sorted((Path(directory) / f"shard{shard}").glob("flush_*.bin"))
-    steps = [int(f.stem.split("_")[1]) for f in files]
+    files = layout.flush_files(directory, shard)
+    steps = [layout.flush_step(f) for f in files]
     return [f for f, s in zip(files, steps) if after_step < s and (upto is None or s <= upto)]
 
 
@@ -133,8 +131,8 @@ def drop_before(directory: Path, num_shards: int, step: int) -> int:
     """Remove flushes that a checkpoint at ``step`` (the oldest kept) covers; -> files removed."""
     n = 0
     for s in range(num_shards):
-        d = Path(directory) / f"shard{s}"
-        old = [f for f in d.glob("flush_*.bin") if int(f.stem.split("_")[1]) <= step]
+        d = layout.flush_shard_dir(directory, s)
+        old = [f for f in layout.flush_files(directory, s) if layout.flush_step(f) <= step]
         for f in old:
             f.unlink(missing_ok=True)
         if old:

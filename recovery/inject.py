@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from recovery import layout
 from recovery.errors import InjectionSpecError
-from recovery.files import TRAINER_FAILURES, append_line, read_lines, write_atomic
+from recovery.files import append_line, read_lines, write_atomic
 
 PHASES = ("checkpoint", "eval", "recovery", "resume")
-FIRED = "injections.jsonl"
 _WHEN = r"(?:step=(\d+)|t=(\d+(?:\.\d+)?)|during=(" + "|".join(PHASES) + r"))"
 _PATTERNS = {
     "shard": re.compile(r"shard:(\d+)@" + _WHEN),
@@ -159,7 +159,7 @@ class Injector:
         self.pidfiles = shard_pidfiles  # None for a shard reached only by URL
         self.urls = list(urls or [])
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / FIRED
+        self.path = layout.injections_file(self.run_dir)
         self.step = 0  # the step the trainer is in (timers record it)
         self.t0 = time.time()
         self.corrupted: list[str] = []
@@ -277,7 +277,7 @@ class Injector:
     def _newest_segment(self, inj: Injection) -> Path | None:
         if self.log_dir is None:
             raise InjectionSpecError(f"--inject {inj}: the run keeps no update logs (--recovery log)")
-        segs = sorted((self.log_dir / f"shard{inj.target}").glob("seg_*.log"))
+        segs = layout.log_segments(self.log_dir, inj.target)
         return segs[-1] if segs and segs[-1].stat().st_size else None
 
     def _corrupt(self, inj: Injection, latest_checkpoint_file) -> None:
@@ -298,7 +298,7 @@ class Injector:
             if inj.kind in ("trainer", "node"):
                 rec = self._record(inj, shards)
                 marker = {"kind": inj.kind, "rank": self.rank, "step": self.step, "time": rec["time"], "shards": shards}
-                append_line(self.run_dir / TRAINER_FAILURES, marker)
+                append_line(layout.trainer_failures_file(self.run_dir), marker)
                 for s in shards:
                     self._kill_shard(s)
                 if shards:

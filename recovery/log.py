@@ -6,18 +6,18 @@ oldest checkpoint kept are dropped (a restore that falls back to it still replay
 
 Record::
 
-    magic   u32  0x52454331 ("REC1")
+    magic   u32  0x52454332 ("REC2")
     length  u32  payload bytes
     crc     u32  CRC32C of the payload
-    payload      step u64 | table u32 | n u32 | width u32 | ids [n] u64 | rows [n, width] f32
+    payload      step u64 | one group of ``embeddings.groups`` (table, ids, float32 rows)
 
 Records of one step are written with one ``write`` (group commit) and made durable by the fsync
 policy: ``always`` (fsync every step), ``every:N`` (fsync when N ms passed since the last), or
 ``none`` (the OS decides). On open, a torn or corrupt tail is cut at the last whole record.
 
-Every group ends with an end record (table ``END``, no rows, ``width`` = the number of records of
-the group before it), written for every step the writer owns the shard in, rows or none. A step is
-*complete* in the log when an end record follows that many whole records of its step. A replay
+Every step's records end with an end record (table ``END``, no rows, ``width`` = the number of
+records of the step before it), written for every step the writer owns the shard in, rows or none.
+A step is *complete* in the log when an end record follows that many whole records of its step. A replay
 (``ShardLog.replay``) proves its coverage: every step from the restore base to the step it must
 reach is complete, or it raises ``LogGapError`` naming the segment, the first step it cannot
 rebuild and why (a record failing its CRC, a torn record, a missing segment): never a silent
@@ -37,14 +37,17 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from embeddings import groups as codec
 from embeddings import rowkeys
+from recovery import layout
 from recovery.errors import LogGapError, RecoveryError
 from recovery.files import fsync_dir, write_atomic
 
-MAGIC = 0x52454331
+MAGIC = 0x52454332  # "REC2": the payload is a group of embeddings.groups
 _HEADER = struct.Struct("<III")
-_META = struct.Struct("<QIII")
-END = 0xFFFFFFFF  # table of a group's end record: ``width`` counts the group's records before it
+_STEP = struct.Struct("<Q")
+_NO_IDS = np.zeros(0, np.int64)
+END = 0xFFFFFFFF  # table of a step's end record: ``width`` counts the step's records before it
 
 
 @dataclass
@@ -71,29 +74,27 @@ def parse_fsync_policy(policy: str) -> float | None:
     raise ValueError(f"fsync policy {policy!r} must be 'always', 'every:N' (milliseconds, N > 0) or 'none'")
 
 
+def _record(step: int, table: int, ids: np.ndarray, rows: np.ndarray) -> list[bytes]:
+    """One framed record: its header and its payload."""
+    payload = b"".join([_STEP.pack(step), *codec.parts(table, ids, rows)])
+    return [_HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)), payload]
+
+
 def encode_record(step: int, table: int, ids: np.ndarray, rows: np.ndarray) -> bytes:
-    rows = np.ascontiguousarray(rows, "<f4")
-    payload = (
-        _META.pack(step, table, len(ids), rows.shape[1]) + np.ascontiguousarray(ids, "<u8").tobytes() + rows.tobytes()
-    )
-    return _HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)) + payload
-
-
-def encode_end(step: int, count: int) -> bytes:
-    """The end record of a step's group of ``count`` records."""
-    payload = _META.pack(step, END, 0, count)
-    return _HEADER.pack(MAGIC, len(payload), crc32c.crc32c(payload)) + payload
+    return b"".join(_record(step, table, ids, rows))
 
 
 def encode_group(step: int, groups) -> bytes:
-    """One step's records of (table, ids, rows) groups and their end record: one write."""
-    return b"".join([*(encode_record(step, t, ids, rows) for t, ids, rows in groups), encode_end(step, len(groups))])
+    """One step's records of (table, ids, rows) groups and their end record (a group of no rows whose
+    width counts them): one write."""
+    out = [part for t, ids, rows in groups for part in _record(step, t, ids, rows)]
+    return b"".join(out + _record(step, END, _NO_IDS, np.zeros((0, len(groups)), np.float32)))
 
 
 def _size(groups) -> int:
     """Bytes of the records of (table, ids, rows) groups, their end record included."""
-    data = sum(_HEADER.size + _META.size + 8 * len(ids) + 4 * rows.size for _, ids, rows in groups)
-    return data + _HEADER.size + _META.size
+    data = sum(codec.size(ids, rows) for _, ids, rows in groups) + codec.HEAD.size  # the end record's group
+    return data + (len(groups) + 1) * (_HEADER.size + _STEP.size)
 
 
 @dataclass
@@ -116,25 +117,22 @@ def entries(path: Path) -> tuple[list[Entry], int, str]:
             break
         magic, length, crc = _HEADER.unpack_from(data, pos)
         end = pos + _HEADER.size + length
-        if magic != MAGIC or length < _META.size:
+        if magic != MAGIC or length < _STEP.size + codec.HEAD.size:
             why = f"no record boundary at byte {pos} (damaged framing)"
             break
         if end > len(data):
             why = f"a torn record at byte {pos}"
             break
         payload = data[pos + _HEADER.size : end]
-        if crc32c.crc32c(payload) != crc:
-            out.append(Entry(pos, None))
-        else:
-            step, table, n, width = _META.unpack_from(payload, 0)
-            if table == END:
-                out.append(Entry(pos, LogRecord(step, END, np.zeros(0, np.int64), np.zeros((0, width), np.float32))))
-            elif _META.size + 8 * n + 4 * n * width != length:
-                out.append(Entry(pos, None))
-            else:
-                ids = np.frombuffer(payload, "<u8", n, _META.size).astype(np.int64)
-                rows = np.frombuffer(payload, "<f4", n * width, _META.size + 8 * n).reshape(n, width)
-                out.append(Entry(pos, LogRecord(step, table, ids, rows)))
+        record = None
+        if crc32c.crc32c(payload) == crc:
+            try:
+                (table, ids, rows), stop = codec.decode_one(payload, _STEP.size)
+            except codec.GroupsError:
+                stop = -1
+            if stop == length and (table != END or len(ids) == 0):
+                record = LogRecord(_STEP.unpack_from(payload)[0], table, ids, rows)
+        out.append(Entry(pos, record))
         pos = end
     return out, pos, why
 
@@ -156,7 +154,7 @@ class ShardLog:
     """The log of one shard, written by the shard's single writer."""
 
     def __init__(self, directory: str | os.PathLike, shard: int, fsync: str = "always") -> None:
-        self.dir = Path(directory) / f"shard{shard}"
+        self.dir = layout.log_shard_dir(directory, shard)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shard = shard
         self._fsync_ms = parse_fsync_policy(fsync)
@@ -172,11 +170,11 @@ class ShardLog:
         self._pending: Future | None = None
 
     def segments(self) -> list[Path]:
-        return sorted(self.dir.glob("seg_*.log"))
+        return layout.log_segments(self.dir.parent, self.shard)
 
     @staticmethod
     def first_step(path: Path) -> int:
-        return int(path.stem.split("_")[1])
+        return layout.segment_first_step(path)
 
     def open_segment(self, first_step: int) -> None:
         """Start appending to the segment of updates from ``first_step`` on (cutting a torn tail).
@@ -201,7 +199,7 @@ class ShardLog:
         self.background_seconds += time.perf_counter() - t0
 
     def _open(self, first_step: int) -> None:
-        path = self.dir / f"seg_{first_step:010d}.log"
+        path = layout.log_segment(self.dir.parent, self.shard, first_step)
         if path.exists():
             self.num_cut_bytes += repair(path)
         self._file = open(path, "ab")

@@ -27,7 +27,7 @@ import numpy as np
 
 from embeddings import rowkeys
 from embeddings.redis_store import RedisStore
-from recovery import rowfiles
+from recovery import layout, rowfiles
 from recovery.errors import CorruptCheckpointError
 from recovery.rowfiles import ShardRowsSaver
 
@@ -316,7 +316,7 @@ class PrioritySaver(ShardRowsSaver):
                     groups.append((t, ids, rows[t][offset[t] : offset[t] + len(ids)]))
                     offset[t] += len(ids)
                 saved = self.counts.total(list(per.items()))
-                self.writer.write(self.dir / f"shard{s}.bin", step, saved, groups, dims, self.half)
+                self.writer.write(layout.priority_save(self.dir, s), step, saved, groups, dims, self.half)
 
         self.writer.run(write)
         for s, per in sel.items():
@@ -347,7 +347,7 @@ def overlay(
     """Write the shard's newest priority save if taken after ``after_step`` and at ``upto`` or
     before (by any trainer); -> (bytes, updates it saved, its step or ``after_step``). A save that
     fails its CRC is not overlaid (``on_corrupt`` is told): the updates it held are counted lost."""
-    path = Path(directory) / f"shard{shard}.bin"
+    path = layout.priority_save(directory, shard)
     if not path.exists():
         return 0, 0, after_step
     data = path.read_bytes()
@@ -367,7 +367,7 @@ def drop_after(directory: Path, step: int) -> int:
     """Remove priority saves taken after ``step`` (an earlier run's, or steps a restart took back);
     -> files removed."""
     n = 0
-    for path in Path(directory).glob("shard*.bin"):
+    for path in layout.priority_saves(directory):
         try:
             newer = rowfiles.read(path).step > step
         except (OSError, CorruptCheckpointError):

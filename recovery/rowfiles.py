@@ -8,12 +8,11 @@ for the copy alone.
 File::
 
     crc     u32  CRC32C of the rest
-    magic   4s   b"ROW2"
+    magic   4s   b"ROW3"
     step    u64  the rows are as of the end of this step
     updates u64  (row, step) updates since the shard's last checkpoint that these rows hold
-    half    u8   1: weights stored as float16 (optimizer state stays float32)
-    groups  u32, then per group: table u32 | n u32 | width u32 | dim u32 | ids [n] u64 |
-            weights [n, dim] f32 or f16 | state [n, width - dim] f32
+    groups       ``embeddings.groups``; ``half``: a row's weights (its first ``dim`` columns) are
+                 float16, the optimizer state stays float32
 
 Everything needed to use a file is in it, so rank 0 can overlay a file another trainer wrote.
 """
@@ -30,12 +29,12 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from embeddings import groups as codec
 from recovery.errors import CorruptCheckpointError
 from recovery.files import write_atomic
 
-MAGIC = b"ROW2"
-_HEAD = struct.Struct("<4sQQBI")
-_GROUP = struct.Struct("<IIII")
+MAGIC = b"ROW3"
+_HEAD = struct.Struct("<4sQQ")
 
 
 @dataclass
@@ -46,15 +45,7 @@ class RowFile:
 
 
 def encode(step: int, updates: int, groups, dims: list[int], half: bool = False) -> bytes:
-    out = [_HEAD.pack(MAGIC, step, updates, int(half), len(groups))]
-    for t, ids, rows in groups:
-        rows = np.ascontiguousarray(rows, "<f4")
-        dim = dims[t]
-        out.append(_GROUP.pack(t, len(ids), rows.shape[1], dim))
-        out.append(np.ascontiguousarray(ids, "<u8").tobytes())
-        out.append(np.ascontiguousarray(rows[:, :dim], "<f2" if half else "<f4").tobytes())
-        out.append(np.ascontiguousarray(rows[:, dim:]).tobytes())
-    blob = b"".join(out)
+    blob = codec.encode(groups, dims if half else None, prefix=_HEAD.pack(MAGIC, step, updates))
     return struct.pack("<I", crc32c.crc32c(blob)) + blob
 
 
@@ -64,22 +55,13 @@ def decode(data: bytes, where: str) -> RowFile:
     (crc,) = struct.unpack_from("<I", data)
     if crc32c.crc32c(data[4:]) != crc:
         raise CorruptCheckpointError(f"{where}: CRC32C mismatch; not loaded")
-    magic, step, updates, half, ngroups = _HEAD.unpack_from(data, 4)
+    magic, step, updates = _HEAD.unpack_from(data, 4)
     if magic != MAGIC:
         raise CorruptCheckpointError(f"{where}: magic {magic!r} is not {MAGIC!r}; not loaded")
-    pos, groups = 4 + _HEAD.size, []
-    wdtype, wsize = ("<f2", 2) if half else ("<f4", 4)
-    for _ in range(ngroups):
-        t, n, width, dim = _GROUP.unpack_from(data, pos)
-        pos += _GROUP.size
-        ids = np.frombuffer(data, "<u8", n, pos).astype(np.int64)
-        pos += 8 * n
-        rows = np.empty((n, width), np.float32)
-        rows[:, :dim] = np.frombuffer(data, wdtype, n * dim, pos).reshape(n, dim)
-        pos += wsize * n * dim
-        rows[:, dim:] = np.frombuffer(data, "<f4", n * (width - dim), pos).reshape(n, width - dim)
-        pos += 4 * n * (width - dim)
-        groups.append((int(t), ids, rows))
+    try:
+        groups = codec.decode(data, 4 + _HEAD.size, copy=True)
+    except codec.GroupsError as e:
+        raise CorruptCheckpointError(f"{where}: {e}; not loaded") from e
     return RowFile(int(step), int(updates), groups)
 
 

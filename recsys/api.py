@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recovery import layout
 from recsys.config import ConfigError, RunConfig
 
 
@@ -148,7 +149,7 @@ class Run:
     @property
     def metrics(self) -> list[dict]:
         """``metrics.jsonl``: a line per logged step (loss, evaluations, saves)."""
-        p = self.path / "metrics.jsonl"
+        p = layout.metrics_file(self.path)
         if not p.exists():
             return []
         out = []
@@ -167,15 +168,15 @@ class Run:
 def load_run(path: str | Path) -> Run:
     """Read a run folder back (what ``train`` wrote there)."""
     p = Path(path)
-    if not (p / "config.toml").is_file():
-        raise ConfigError(f"{p}: not a run folder (no config.toml)")
-    cfg = RunConfig.from_toml(p / "config.toml")
+    if not layout.config_file(p).is_file():
+        raise ConfigError(f"{p}: not a run folder (no {layout.CONFIG})")
+    cfg = RunConfig.from_toml(layout.config_file(p))
     summary = None
-    if (p / "summary.json").is_file():
+    if layout.summary_file(p).is_file():
         try:
-            summary = Summary.from_dict(json.loads((p / "summary.json").read_text()))
+            summary = Summary.from_dict(json.loads(layout.summary_file(p).read_text()))
         except (ValueError, KeyError) as e:
-            raise ConfigError(f"{p / 'summary.json'}: damaged ({e})") from None
+            raise ConfigError(f"{layout.summary_file(p)}: damaged ({e})") from None
     return Run(p, cfg, summary)
 
 

@@ -1,4 +1,4 @@
-"""Embedding backends behind one small interface, so the training loop has no branches.
+"""Embedding backends behind one small interface (``Backend``), so the training loop has no branches.
 
 ``StoreBackend``: rows in the Redis tier (pull, prefetch, cross-trainer aggregation, one writer
 per shard). ``LocalBackend``: torchrec's in-process fused engine (the baseline).
@@ -7,7 +7,7 @@ per shard). ``LocalBackend``: torchrec's in-process fused engine (the baseline).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -62,7 +62,61 @@ def open_store(cfg: RunConfig, urls: list[str], namespace: str, replicas: bool =
     )
 
 
-class StoreBackend:
+class Backend:
+    """What the training loop calls on an embedding backend. The defaults do nothing: the answer of
+    a backend whose rows live in this process (nothing to read ahead, stage, drain or restore)."""
+
+    model: torch.nn.Module  # the DLRM over this backend's embedding module
+    # the Redis tier, whose counters (``embeddings.store.StoreCounters``) the run's summary reads;
+    # None where the rows live in this process
+    store: RedisStore | None = None
+
+    def prepare(self, batch: Batch) -> None:
+        """On the data reader's read-ahead thread: work on ``batch`` that need not wait for its step."""
+
+    def prefetch(self, batch: Batch | None) -> None:
+        """Start loading the rows of ``batch`` (the next step's, None after the last) while this step trains."""
+
+    def stage(self, batch: Batch) -> None:
+        """Read this batch's rows before its step computes anything."""
+
+    def gradients(self) -> StepUpdate | None:
+        """This step's row gradients for the store to apply; None: ``apply_local`` applies them."""
+        return None
+
+    def apply_local(self) -> None:
+        """Apply this step's row update in this process (where ``gradients`` gave None)."""
+
+    def fresh_start(self) -> None:
+        """A new run (not a resume) begins."""
+
+    def drain(self) -> None:
+        """Forget rows read ahead (a shard was restored under them)."""
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The rows an evaluation reads: as they are stored."""
+        yield
+
+    def table_blocks(self) -> Iterable[tuple[str, Iterable[np.ndarray]]]:
+        """Every table's rows (weights and optimizer state), by name, in blocks (the run's digest)."""
+        raise NotImplementedError
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every table's weights, by name."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Counters for the run's summary."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class StoreBackend(Backend):
+    store: RedisStore
+
     def __init__(self, cfg: RunConfig, urls: list[str], namespace: str, world_size: int, rank: int) -> None:
         self.cfg = cfg
         self.world_size, self.rank = world_size, rank
@@ -155,35 +209,14 @@ class StoreBackend:
         self.store.close()
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     """torchrec's ``FusedEmbeddingBagCollection`` in this process: fbgemm's TBE kernels on the host,
-    the row optimizer fused into backward (nothing to apply after it)."""
+    the row optimizer fused into backward (nothing to apply after it: ``apply_local`` does nothing).
+    No store: ``store`` is None."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.model, self.ebc = local_model(cfg)
-
-    def prefetch(self, batch: Batch | None) -> None:
-        pass
-
-    def stage(self, batch: Batch) -> None:
-        pass
-
-    def gradients(self) -> None:
-        return None
-
-    def apply_local(self) -> None:
-        pass  # the fused engine updated its rows during backward
-
-    def fresh_start(self) -> None:
-        pass
-
-    def drain(self) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:
-        yield
 
     def _tables(self) -> dict[str, torch.Tensor]:
         sd = self.ebc.state_dict()
@@ -201,9 +234,3 @@ class LocalBackend:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: w.detach().clone() for name, w in self._tables().items()}
-
-    def stats(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass

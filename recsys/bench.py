@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from recovery import layout
 from recovery.strategy import Strategy
 from recsys.config import ConfigError
 
@@ -230,7 +231,7 @@ def bench_strategies(args) -> list[dict]:
     )
     md = f"{title}\n\n{markdown(rows)}\n"
     (out / "results.md").write_text(md)
-    (out / "schedule.json").write_text(json.dumps(schedule))
+    layout.schedule_file(out).write_text(json.dumps(schedule))
     plot(rows, out / "overhead_vs_auc.png", title)
     print(md)
     return rows
@@ -327,7 +328,7 @@ def bench_sweep(args) -> list[dict]:
     )
     md = [title, "", markdown(rows, SWEEP_COLUMNS), "", sweep_verdict(rows, ref, args.auc_tolerance, args.target_pls)]
     (out / "sweep.md").write_text("\n".join(md) + "\n")
-    (out / "schedule.json").write_text(json.dumps(schedules))
+    layout.schedule_file(out).write_text(json.dumps(schedules))
     plot_sweep(rows, out / "sweep_pareto.png", title)
     print("\n".join(md))
     return rows
@@ -367,9 +368,9 @@ def _finished(cfg) -> dict | None:
 
     folder = Path(cfg.train.out)
     try:
-        if RunConfig.from_toml(folder / "config.toml").to_dict() != cfg.to_dict():
+        if RunConfig.from_toml(layout.config_file(folder)).to_dict() != cfg.to_dict():
             return None
-        return json.loads((folder / "summary.json").read_text())
+        return json.loads(layout.summary_file(folder).read_text())
     except (OSError, ValueError, ConfigError):
         return None
 
@@ -511,7 +512,9 @@ def bench_scaling(args) -> list[dict]:
     from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
     from embeddings.launcher import spawn_shard
     from recovery.checkpoint import Checkpointer
-    from recovery.manager import Collective, RecoveryManager, link_or_copy
+    from recovery.manager import RecoveryManager
+    from recovery.protocol import Collective
+    from recovery.restore import link_or_copy
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

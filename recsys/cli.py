@@ -16,6 +16,7 @@ from pathlib import Path
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
+from recovery import layout
 from recovery.errors import RecoveryError
 from recsys.config import ConfigError, RunConfig
 from recsys.errors import TrainerFailed, one_line, report_error
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted ({e}): trainers and shards stopped", file=sys.stderr)
             return 130
         line = report_error(Path(out or "."), "main", e)
-        print(f"error: {line} (traceback in {Path(out or '.') / 'errors' / 'main.log'})", file=sys.stderr)
+        print(f"error: {line} (traceback in {layout.error_traceback(out or '.', 'main')})", file=sys.stderr)
         return 1
     if summary is not None:
         ceiling = summary["ceiling_auc"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from embeddings.cluster import seed_urls
+from recovery import layout
 
 
 class ConfigError(ValueError):
@@ -428,13 +429,18 @@ class RunConfig:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.recovery.checkpoint_dir or str(Path(self.train.out) / "checkpoints")
+        return self.recovery.checkpoint_dir or str(layout.default_checkpoint_dir(self.train.out))
 
     @property
     def log_dir(self) -> str:
         if self.recovery.log_dir:
             return self.recovery.log_dir
-        return str(Path(self.train.out) / "logs") if self.recovery.recovery == "log" else ""
+        return str(layout.default_log_dir(self.train.out)) if self.recovery.recovery == "log" else ""
+
+    @property
+    def final_model_path(self) -> Path:
+        """``final_model.pt`` in the output folder (``--save-model``: ``recovery.layout.final_model_file``)."""
+        return layout.final_model_file(self.train.out)
 
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:

@@ -20,6 +20,7 @@ from pathlib import Path
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
+from recovery import layout
 from recovery.errors import RecoveryError
 
 
@@ -72,14 +73,14 @@ def report_error(run_dir: Path, who: str, e: BaseException) -> str:
     """Write the traceback and the line for ``who`` under ``run_dir/errors``; returns the line. On a
     full disk the run's reserve (``reserve_space``) is given back for them."""
     line = one_line(e)
-    folder = Path(run_dir) / "errors"
+    record = layout.error_record(run_dir, who)
     for attempt in range(2):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{who}.log").write_text("".join(traceback.format_exception(e)))
-            tmp = folder / f"{who}.json.tmp"
+            record.parent.mkdir(parents=True, exist_ok=True)
+            layout.error_traceback(run_dir, who).write_text("".join(traceback.format_exception(e)))
+            tmp = record.with_name(record.name + ".tmp")
             tmp.write_text(json.dumps({"who": who, "line": line, "type": type(e).__name__, "pid": os.getpid()}))
-            os.replace(tmp, folder / f"{who}.json")
+            os.replace(tmp, record)
             break
         except OSError as err:
             if attempt or err.errno not in (errno.ENOSPC, errno.EDQUOT) or not Path(run_dir, RESERVE).exists():
@@ -93,7 +94,7 @@ def report_error(run_dir: Path, who: str, e: BaseException) -> str:
 
 def read_errors(run_dir: Path) -> dict[str, dict]:
     out = {}
-    for p in sorted((Path(run_dir) / "errors").glob("*.json")):
+    for p in layout.error_records(run_dir):
         try:
             out[p.stem] = json.loads(p.read_text())
         except (OSError, ValueError):

@@ -31,12 +31,12 @@ from embeddings import LocalShards
 from embeddings.cluster import seed_urls
 from embeddings.endpoints import check_endpoints, commands_needed
 from embeddings.launcher import free_port
-from recovery.files import TRAINER_FAILURES, append_line, read_lines
+from recovery import layout
+from recovery.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
 from recsys.errors import TrainerFailed, read_errors
-from recsys.rundir import (  # noqa: F401 - RUN_FILE: where a run keeps its namespace and id
-    RUN_FILE,
+from recsys.rundir import (
     OutLock,
     check_resume,
     check_unfinished,
@@ -150,7 +150,7 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
     out = Path(cfg.train.out)
     restarts = 0
     while True:
-        shutil.rmtree(out / "errors", ignore_errors=True)
+        shutil.rmtree(layout.errors_dir(out), ignore_errors=True)
         started = time.time()
         lc = LaunchConfig(
             min_nodes=1,
@@ -172,11 +172,11 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
             failures = {int(r): f for r, f in e.failures.items()}
         errors = read_errors(out)
         killed = {r: f.exitcode for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
-        deaths = [d for d in read_lines(out / TRAINER_FAILURES) if d.get("time", 0) >= started]
+        deaths = [d for d in read_lines(layout.trainer_failures_file(out)) if d.get("time", 0) >= started]
         fatal = [x for x in errors.values() if not _peer_lost(x)]
         if fatal and not killed and not deaths:
             first = sorted(fatal, key=lambda x: x["who"])[0]
-            raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {out / 'errors'})")
+            raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {layout.errors_dir(out)})")
         # the agent reports the first dead trainer it finds; a trainer that ended because its peer
         # was killed may be the one, so a death the injector recorded names the rank
         if killed:
@@ -192,7 +192,9 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
                 f"trainer rank {rank} died ({why}) after {restarts} restart(s) of {cfg.recovery.max_restarts}{hint}"
             )
         if not deaths:  # not injected: record what the supervisor saw
-            append_line(out / TRAINER_FAILURES, {"kind": "trainer", "rank": rank, "step": None, "time": time.time()})
+            append_line(
+                layout.trainer_failures_file(out), {"kind": "trainer", "rank": rank, "step": None, "time": time.time()}
+            )
         restarts += 1
         print(  # on a line of its own: the dead trainer's progress bar ends mid-line
             f"\ntrainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",
@@ -204,16 +206,16 @@ def resume_config(run_dir: str | Path) -> RunConfig:
     """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from.
     A run that finished is refused (``ConfigError``): its results are kept."""
     run_dir = Path(run_dir)
-    for name in ("config.toml", RUN_FILE):
+    for name in (layout.CONFIG, layout.RUN_FILE):
         if not (run_dir / name).is_file():
             raise ConfigError(f"--resume {run_dir}: no {name} there (not the folder of a run that started)")
     check_unfinished(run_dir, f"--resume {run_dir}")
-    cfg = RunConfig.from_toml(run_dir / "config.toml")
+    cfg = RunConfig.from_toml(layout.config_file(run_dir))
     namespace = read_run_file(run_dir)["namespace"]
     d = cfg.to_dict()
     d["embeddings"]["namespace"] = namespace
     d["train"]["out"] = str(run_dir)
-    return RunConfig.from_dict(d, source=str(run_dir / "config.toml"))
+    return RunConfig.from_dict(d, source=str(layout.config_file(run_dir)))
 
 
 def run(
@@ -253,7 +255,7 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
         run_id = new_run_id()
     namespace = cfg.embeddings.namespace or f"run-{run_id[:10]}"
     prepare(cfg)
-    dense = Path(cfg.checkpoint_dir) / "dense_latest.pt"
+    dense = layout.dense_latest(cfg.checkpoint_dir)
     if resume and not dense.exists():
         raise ConfigError(
             f"--resume {out}: no per-step dense state at {dense} (the run had --max-restarts 0 or never started)"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recovery import layout
 from recovery.files import name_path, write_atomic
 from recsys.config import RunConfig
 from recsys.errors import release_space
@@ -33,9 +34,9 @@ class RunOutputs:
 
     def __init__(self, cfg: RunConfig, append: bool = False) -> None:
         self.dir = Path(cfg.train.out)
-        (self.dir / "plots").mkdir(parents=True, exist_ok=True)
-        write_atomic(self.dir / "config.toml", cfg.to_toml())
-        path = self.dir / "metrics.jsonl"
+        layout.plots_dir(self.dir).mkdir(parents=True, exist_ok=True)
+        write_atomic(layout.config_file(self.dir), cfg.to_toml())
+        path = layout.metrics_file(self.dir)
         # a restarted trainer group continues the run's metrics
         self.records: list[dict] = (
             [json.loads(line) for line in path.read_text().splitlines()] if append and path.exists() else []
@@ -53,9 +54,9 @@ class RunOutputs:
 
     def finish(self, summary: dict) -> None:
         self._metrics.close()
-        write_atomic(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_atomic(layout.summary_file(self.dir), json.dumps(summary, indent=2) + "\n")
         release_space(self.dir)  # the run ended well: no traceback to keep room for
-        plot_training(self.records, summary, self.dir / "plots" / "training.png")
+        plot_training(self.records, summary, layout.training_plot(self.dir))
 
 
 class NullOutputs:

@@ -3,7 +3,7 @@
 - ``OutLock``: the launching process holds an exclusive ``flock`` on ``{out}/run.lock`` for the
   run's life (trainer processes it starts need none): a second run into the folder is refused in
   one line naming the pid that writes there.
-- ``run.json`` (``RUN_FILE``): the run's namespace and id. The id is the run's claim on its
+- ``run.json`` (``recovery.layout.RUN_FILE``): the run's namespace and id. The id is the run's claim on its
   namespace (``embeddings.ownership``): ``--resume`` takes its own claim back with it.
 - ``check_resume``: a resumed run continues the same run. A finished run is refused (its results
   are kept); a setting that changes the model, tables, data stream, sharding, strategy or
@@ -22,11 +22,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from recovery import layout
 from recsys.config import ConfigError, RunConfig
-
-RUN_FILE = "run.json"  # the run's namespace and id: what --resume needs besides config.toml
-LOCK_FILE = "run.lock"  # flock'ed by the process that writes the run folder
-SUMMARY = "summary.json"  # written once, atomically, when the run finished: its presence marks the end
 
 RESUME_MAY_CHANGE: frozenset[str] = frozenset(
     {
@@ -86,7 +83,7 @@ class OutLock:
 
     def __enter__(self) -> OutLock:
         self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(layout.lock_file(self.out), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -107,7 +104,7 @@ class OutLock:
 
 def writer_of(out: str | os.PathLike) -> int | None:
     """The pid of the run that holds ``out``'s lock (on this host), or None: nothing writes there."""
-    path = Path(out) / LOCK_FILE
+    path = layout.lock_file(out)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -128,13 +125,15 @@ def new_run_id() -> str:
 
 
 def read_run_file(run_dir: str | os.PathLike, flag: str = "--resume") -> dict:
-    path = Path(run_dir) / RUN_FILE
+    path = layout.run_file(run_dir)
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict) or not isinstance(d.get("namespace"), str):
             raise ValueError
     except OSError:
-        raise ConfigError(f"{flag} {run_dir}: no {RUN_FILE} there (not the folder of a run that started)") from None
+        raise ConfigError(
+            f"{flag} {run_dir}: no {layout.RUN_FILE} there (not the folder of a run that started)"
+        ) from None
     except ValueError:
         raise ConfigError(f"{flag} {run_dir}: {path} is damaged") from None
     # a run from before run ids: its claim (if any) is under this name
@@ -145,14 +144,14 @@ def read_run_file(run_dir: str | os.PathLike, flag: str = "--resume") -> dict:
 def write_run_file(run_dir: str | os.PathLike, namespace: str, run_id: str, **extra) -> None:
     from recovery.files import write_atomic
 
-    write_atomic(Path(run_dir) / RUN_FILE, json.dumps({"namespace": namespace, "run_id": run_id, **extra}))
+    write_atomic(layout.run_file(run_dir), json.dumps({"namespace": namespace, "run_id": run_id, **extra}))
 
 
 # -- what a resume may change ---------------------------------------------------------------------
 def finished_at(run_dir: str | os.PathLike) -> int | str | None:
     """The step the run in ``run_dir`` finished at (``summary.json`` is written once, atomically, as
     its last act), '?' if the summary cannot be read, None if the run did not finish."""
-    path = Path(run_dir) / SUMMARY
+    path = layout.summary_file(run_dir)
     if not path.exists():
         return None
     try:

@@ -36,27 +36,22 @@ from tqdm import tqdm
 
 from data.batches import BatchReader, make_batch
 from embeddings.launcher import ShardSpec
-from recovery.accounting import pls
-from recovery.checkpoint import Checkpointer
 from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
-from recovery.incremental import Flusher
-from recovery.inject import Injector
-from recovery.log import ShardLog
-from recovery.manager import CONTINUE, Collective, NoRecovery, Outcome, RecoveryManager
-from recovery.planner import parse_mtbf, plan_interval
-from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
-from recovery.strategy import Strategy
-from recsys.backends import LocalBackend, StoreBackend
+from recovery.factory import RecoverySettings, build_recovery
+from recovery.protocol import CONTINUE, Collective, Outcome
+from recsys.backends import Backend, LocalBackend, StoreBackend
+from recsys.clock import WARMUP_STEPS, StepClock
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import report_error, reserve_space
 from recsys.metrics import evaluate_scores
 from recsys.model import dense_optimizer, dense_params
 from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
+from recsys.schedule import Schedule
+from recsys.summary import SaveTotals, run_summary
 
 EVAL_BATCH = 4096
-WARMUP_STEPS = 10  # steps before the step time is steady: throughput counts after them, the auto planner measures them
 # torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
 # warning on every process. It says nothing about this run.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -103,201 +98,31 @@ def collective(world_size: int) -> Collective:
     return Collective(world_size, dist.barrier, max_flags, broadcast_int, sum_floats)
 
 
-def thread_sched() -> tuple[float, float, float] | None:
-    """(wall clock, seconds on a CPU, seconds runnable but waiting for a CPU) of the calling thread,
-    from Linux's ``/proc/thread-self/schedstat``; None where there is none."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            on_cpu, runnable = f.read().split()[:2]
-        return time.perf_counter(), int(on_cpu) / 1e9, int(runnable) / 1e9
-    except (OSError, ValueError):
-        return None
-
-
-class StepClock:
-    """Where a step's time goes: seconds per part (rows in, data, compute, rows out, waiting), summed.
-    And how the training thread spent the steps after the warm-up (``marks``): on a CPU, runnable but
-    waiting for one (the host's other threads and processes had the cores), or neither (waiting
-    for a write, a lock, the GIL)."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, float] = {}
-        self._t = 0.0
-        self.marks: list[tuple[int, tuple[float, float, float] | None]] = []  # (step, thread_sched())
-
-    def start(self, t: float) -> None:
-        self._t = t
-
-    def lap(self, part: str) -> None:
-        now = time.perf_counter()
-        self.parts[part] = self.parts.get(part, 0.0) + now - self._t
-        self._t = now
-
-    def per_step_ms(self, steps: int) -> dict[str, float]:
-        return {k: round(1000 * v / max(1, steps), 2) for k, v in self.parts.items()}
-
-    def mark(self, step: int) -> None:
-        """The training thread's scheduler times as of the end of ``step``."""
-        self.marks.append((step, thread_sched()))
-
-    def thread_ms(self) -> dict[str, float] | None:
-        """Per step between the first and the last mark: the training thread's wall time, time on a
-        CPU, runnable but off one, and the rest (blocked). None without two marks (or schedstat)."""
-        if len(self.marks) < 2 or self.marks[0][1] is None or self.marks[-1][1] is None:
-            return None
-        (s0, a), (s1, b) = self.marks[0], self.marks[-1]
-        if s1 <= s0:
-            return None
-        wall, cpu, runq = ((y - x) * 1000 / (s1 - s0) for x, y in zip(a, b))
-        return {
-            "wall": round(wall, 2),
-            "on_cpu": round(cpu, 2),
-            "runnable": round(runq, 2),
-            "blocked": round(max(0.0, wall - cpu - runq), 2),
-        }
-
-
-class Schedule:
-    """When to checkpoint and take priority saves. ``auto``: after ``WARMUP_STEPS`` the planner picks
-    the interval from the measured step time and checkpoint pause (rank 0 decides, all follow)."""
-
-    def __init__(self, cfg: RunConfig, num_shards: int, coll: Collective, rank: int) -> None:
-        rc = cfg.recovery
-        self.rc, self.num_shards, self.coll, self.rank = rc, num_shards, coll, rank
-        self.auto = rc.checkpoint_every == "auto"
-        self.every = 0 if self.auto else int(rc.checkpoint_every)
-        self.priority_on = Strategy(rc.recovery).priority_saves
-        self.flush_on = Strategy(rc.recovery).flushes
-        self.plan: dict | None = None
-        self._step_times: list[float] = []
-        self.checkpoint_pause_s = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.rc.checkpoint_every)
-
-    @property
-    def priority_every(self) -> int:
-        return self.rc.priority_every or max(1, self.every // 4)
-
-    @property
-    def flush_every(self) -> int:
-        return self.rc.flush_every or max(1, self.every // 10)
-
-    def observe(self, step: int, seconds: float) -> None:
-        if not self.auto or self.every:
-            return
-        if step > 1:
-            self._step_times.append(seconds)
-        if step == WARMUP_STEPS:
-            interval = -1
-            if self.rank == 0:
-                step_s = float(np.median(self._step_times))
-                mtbf = parse_mtbf(self.rc.mtbf, step_seconds=step_s)
-                plan = plan_interval(mtbf, self.rc.target_pls, self.num_shards, self.checkpoint_pause_s / step_s)
-                interval = plan.interval
-                self.plan = {
-                    "interval": plan.interval,
-                    "expected_pls": plan.expected_pls,
-                    "overhead": plan.overhead,
-                    "young_interval": plan.young_interval,
-                    "mtbf_steps": mtbf,
-                    "step_s": step_s,
-                    "checkpoint_pause_s": self.checkpoint_pause_s,
-                    "target_pls": self.rc.target_pls,
-                }
-            self.every = self.coll.broadcast_int(interval)
-
-    def checkpoint_due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0
-
-    def priority_due(self, step: int) -> bool:
-        return (
-            self.priority_on and bool(self.every) and step % self.priority_every == 0 and not self.checkpoint_due(step)
-        )
-
-    def flush_due(self, step: int) -> bool:
-        return self.flush_on and bool(self.every) and step % self.flush_every == 0 and not self.checkpoint_due(step)
-
-    def state(self) -> dict:
-        return {"every": self.every}
-
-    def load(self, state: dict) -> None:
-        self.every = int(state["every"])
-
-
-def build_recovery(cfg: RunConfig, backend, specs: list[ShardSpec], coll: Collective, rank: int):
-    """Recovery manager, checkpointer and injector of one trainer (no-op objects where off)."""
-    if not isinstance(backend, StoreBackend):
-        return NoRecovery(), None, None
-    rc, world, store = cfg.recovery, coll.world_size, backend.store
-    strategy = Strategy(rc.recovery)
-    run_dir = Path(cfg.train.out)
-    pidfiles = [s.pidfile for s in specs] if specs else [None] * store.num_shards
-    injector = Injector(
-        rc.injections,
-        rank,
-        pidfiles,
-        run_dir,
-        world,
-        urls=store.urls,
-        log_dir=cfg.log_dir,
-        dense_path=Path(cfg.checkpoint_dir) / "dense_latest.pt",
-    )
-    logs = {}
-    if cfg.log_dir:
-        logs = {s: ShardLog(cfg.log_dir, s, rc.log_fsync) for s in range(store.num_shards) if s % world == rank}
-    ckpt = None
-    if rc.checkpoint_every:
-        # after a failover a shard is served by its replica: snapshots go over the network
-        local = [] if strategy.promotes else specs
-        ckpt = Checkpointer(
-            cfg.checkpoint_dir, rc.keep_checkpoints, local, store, rank, coll.barrier, run=store.namespace
-        )
-        ckpt.on_fork = lambda shard: injector.during("checkpoint")
-        ckpt.max_abandoned = rc.max_abandoned_checkpoints
-        ckpt.warn = lambda line: tqdm.write(line, file=sys.stderr)  # on a line of its own under the bar
-    priority = flusher = None
-    mine = {s for s in range(store.num_shards) if s % world == rank}  # the shards this trainer writes
-    if strategy.priority_saves:
-        tracker = (
-            MFUTracker(store, rc.mfu_capacity, mine)
-            if strategy is Strategy.PARTIAL_MFU
-            else SSUTracker(store, rc.ssu_fraction, rc.ssu_capacity, cfg.train.seed, mine)
-        )
-        priority = PrioritySaver(
-            Path(cfg.checkpoint_dir) / "priority",
-            store,
-            tracker,
-            rc.priority_budget,
-            shards=mine,
-            half=rc.priority_half,
-        )
-    if strategy.flushes:
-        flusher = Flusher(Path(cfg.checkpoint_dir) / "incremental", store, mine, half=rc.priority_half)
-    manager = RecoveryManager(
-        priority=priority,
-        flusher=flusher,
-        strategy=strategy,
-        store=store,
-        shards=specs,
-        rank=rank,
+def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
+    """The run's recovery settings, as ``recovery.factory`` takes them."""
+    rc, e = cfg.recovery, cfg.embeddings
+    return RecoverySettings(
+        strategy=rc.recovery,
+        run_dir=Path(cfg.train.out),
+        checkpoint_dir=Path(cfg.checkpoint_dir),
         batch_size=cfg.train.batch_size,
-        collective=coll,
-        checkpointer=ckpt,
-        logs=logs,
-        injector=injector,
-        drain=backend.drain,
-        run_dir=run_dir,
+        seed=cfg.train.seed,
         log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
-        restart_timeout_s=rc.shard_restart_timeout,
-        replica_wait=cfg.embeddings.replica_wait,
-        write_behind=cfg.embeddings.write_behind and world == 1 and store.held is not None,
-        write_every=cfg.embeddings.write_every,
+        injections=tuple(rc.injections),
+        checkpoint_every=rc.checkpoint_every,
+        keep_checkpoints=rc.keep_checkpoints,
+        max_abandoned_checkpoints=rc.max_abandoned_checkpoints,
+        log_fsync=rc.log_fsync,
+        mfu_capacity=rc.mfu_capacity,
+        ssu_fraction=rc.ssu_fraction,
+        ssu_capacity=rc.ssu_capacity,
+        priority_budget=rc.priority_budget,
+        priority_half=rc.priority_half,
+        shard_restart_timeout=rc.shard_restart_timeout,
+        replica_wait=e.replica_wait,
+        write_behind=e.write_behind,
+        write_every=e.write_every,
     )
-    if ckpt is not None:
-        ckpt.on_saved = manager.on_checkpoint_saved
-    return manager, ckpt, injector
 
 
 PREPARE_AHEAD = 4  # steps between picking a priority save's rows (on its writer thread) and the save
@@ -334,7 +159,7 @@ class Trainer:
         self.specs = specs or []
         self.num_shards = len(urls)
         self.steps, self.batch_size = cfg.train.steps, cfg.train.batch_size
-        self.backend = (
+        self.backend: Backend = (
             LocalBackend(cfg)
             if cfg.embeddings.embeddings == "local"
             else StoreBackend(cfg, urls, namespace, world_size, rank)
@@ -350,17 +175,25 @@ class Trainer:
             rank=rank,
             epochs=1 << 30,
             read_ahead=True,
-            prepare=getattr(self.backend, "prepare", None),
+            prepare=self.backend.prepare,
         )
         self.coll = collective(world_size)
-        self.recovery, self.checkpointer, self.injector = build_recovery(cfg, self.backend, self.specs, self.coll, rank)
         self.dense_saver = (
             DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
             if cfg.recovery.max_restarts and isinstance(self.backend, StoreBackend)
             else NoDenseSaver()
         )
+        self.recovery, self.checkpointer, self.injector = build_recovery(
+            recovery_settings(cfg, world_size),
+            self.backend.store,
+            self.specs,
+            self.coll,
+            rank,
+            drain=self.backend.drain,
+            committer_of=self.dense_saver.committer,  # a window's write makes its step's save current
+            warn=lambda line: tqdm.write(line, file=sys.stderr),  # on a line of its own under the bar
+        )
         self.schedule = Schedule(cfg, self.num_shards, self.coll, rank)
-        self.recovery.committer_of = self.dense_saver.committer  # a window's write makes its step's save current
         self.out: RunOutputs | NullOutputs = NullOutputs()
         self.step = 1  # the step about to run
         self.priority_pauses: list[float] = []
@@ -551,7 +384,7 @@ class Trainer:
         # the next priority save's rows are picked off the path, a few steps ahead
         ahead = min(PREPARE_AHEAD, self.schedule.priority_every - 1)
         if ahead and self.schedule.priority_due(step + ahead):
-            self.recovery.priority.prepare()
+            self.recovery.prepare_priority()
         if out.rolled_back:
             return out
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
@@ -598,7 +431,7 @@ class Trainer:
         evicted keys stops the run (``RedisStore.check_evictions``), resumable where the per-step dense
         state is kept (``--max-restarts`` > 0, not yet discarded at the end) and the strategy restores
         from the run's own saves (a replica lost the same rows: evictions reach it as deletes)."""
-        store = getattr(self.backend, "store", None)
+        store = self.backend.store
         if self.rank != 0 or store is None:
             return
         rc = self.cfg.recovery
@@ -616,7 +449,7 @@ class Trainer:
     def priority_save(self, step: int) -> None:
         """partial-mfu/ssu: each writer copies its shards' priority rows (no barrier: it is their only
         writer); a background thread writes them. A shard read that fails is seen at the next commit."""
-        self._row_save(step, "priority", self.recovery.priority.save, self.priority_pauses)
+        self._row_save(step, "priority", self.recovery.save_priority, self.priority_pauses)
 
     def flush(self, step: int) -> None:
         """incremental: each writer copies its shards' rows dirtied since its last flush; a background
@@ -624,7 +457,7 @@ class Trainer:
         self._row_save(step, "flush", self.recovery.flush, self.flush_pauses)
 
     def _row_save(self, step: int, what: str, save, pauses: list[float]) -> None:
-        held = getattr(self.backend.store, "held", None)
+        held = self.backend.store.held
         hits = held.hits if held is not None else 0
         t0 = time.perf_counter()
         _, rows = self.recovery.guard(lambda: save(step))
@@ -685,8 +518,7 @@ class Trainer:
                     raise RuntimeError("a shard failed before the first checkpoint was taken")
                 self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
             return
-        if self.recovery.flusher is not None:
-            self.recovery.flusher.suspend()  # rows dirtied before the restart are unknown
+        self.recovery.suspend_flushes()  # rows dirtied before the restart are unknown
         out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
@@ -735,36 +567,33 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait()
         # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's
-        logs = self.recovery.logs.values()
-        for w in (*logs, self.recovery.priority, self.recovery.flusher):
-            if w is not None:
-                w.wait()
-        rec = self.recovery
+        bg = self.recovery.wait_background()
         # bytes every trainer wrote (logs, priority saves, flushes), summed in one collective
-        store = getattr(self.backend, "store", None)
+        store = self.backend.store  # None: the rows live in this process (nothing held, nothing restored)
         saved = self.coll.sum_floats(
             np.array(
                 [
-                    sum(x.bytes_written for x in logs),
-                    rec.priority.bytes_written if rec.priority is not None else 0,
-                    rec.flusher.bytes_written if rec.flusher is not None else 0,
+                    bg.log_bytes,
+                    bg.priority_bytes,
+                    bg.flush_bytes,
                     # the rows of restored shards its writers held: held again, known absent, read back
-                    getattr(store, "reload_kept", 0),
-                    getattr(store, "reload_absent", 0),
-                    getattr(store, "reload_read", 0),
+                    *((store.reload_kept, store.reload_absent, store.reload_read) if store is not None else (0, 0, 0)),
                 ],
                 dtype=np.float64,
             )
         )
-        reload_s = getattr(store, "reload_s", 0.0)  # held rows read back after restores
-        log_us, reload_us = self.coll.max_flags(
-            np.array([int(1e6 * sum(x.seconds for x in logs)), int(1e6 * reload_s)], dtype=np.int64)
+        reload_s = store.reload_s if store is not None else 0.0  # held rows read back after restores
+        log_us, reload_us = self.coll.max_flags(np.array([int(1e6 * bg.log_s), int(1e6 * reload_s)], dtype=np.int64))
+        saves = SaveTotals(
+            log_bytes=saved[0],
+            log_seconds=log_us / 1e6,
+            log_behind_seconds=bg.log_behind_s,
+            log_background_seconds=bg.log_background_s,
+            priority_bytes=saved[1],
+            flush_bytes=saved[2],
+            held_reload_s=reload_us / 1e6,
+            held_rows_after_restores={k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)},
         )
-        self.reload_s = reload_us / 1e6
-        totals = np.array([saved[0], log_us / 1e6, saved[1], saved[2]])  # log bytes, log s, priority, flush bytes
-        self.held_after_restores = {k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)}
-        self.log_behind_s = sum(x.behind_seconds for x in logs)
-        self.log_background_s = sum(x.background_seconds for x in logs)
         res: dict = {}
 
         def final(only) -> None:
@@ -776,87 +605,43 @@ class Trainer:
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
-        summary = self.summary(wall, res["eval"], res["digest"], totals)
+        summary = run_summary(
+            self.cfg,
+            world_size=self.world_size,
+            num_shards=self.num_shards,
+            torch_threads=torch.get_num_threads(),
+            t_setup=self.t_setup,
+            t0=self.t0,
+            wall=wall,
+            warm=self._warm,
+            final=res["eval"],
+            digest=res["digest"],
+            ceiling_auc=self.data.ceiling_auc,
+            failures=self.recovery.summary_failures(),
+            lost=self.recovery.lost,
+            injected=self.injector.fired() if self.injector is not None else [],
+            not_fired=self.injector.not_fired() if self.injector is not None else [],
+            checkpoints=self.checkpointer.history if self.checkpointer is not None else [],
+            saves=saves,
+            store=store,
+            write_every=self.recovery.window_steps,
+            schedule=self.schedule,
+            priority_pauses=self.priority_pauses,
+            flush_pauses=self.flush_pauses,
+            clock=self.clock,
+            dense_saves=self.dense_saver.num_saves,
+            dense_save_seconds=self.dense_saver.seconds,
+            backend_stats=self.backend.stats(),
+        )
         if self.cfg.train.save_model:
             state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
             state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})
-            torch.save(state, os.path.join(self.cfg.train.out, "final_model.pt"))
+            torch.save(state, self.cfg.final_model_path)
         self.out.log(
             {"step": self.steps, "samples": self.steps * self.batch_size, "elapsed_s": round(wall, 3), **res["eval"]}
         )
         self.out.finish(summary)
         return out, summary
-
-    def _after_warmup(self, wall: float) -> float | None:
-        """Samples/s of the steps after the first ``WARMUP_STEPS`` of this process (first-step
-        allocations, thread starts, the first reads of each row): how a reference engine timed after
-        the same warm-up compares. None when the run had no steps after them."""
-        if self._warm is None or self.steps <= self._warm[0]:
-            return None
-        seconds = self.t0 + wall - self._warm[1]
-        return round((self.steps - self._warm[0]) * self.batch_size / seconds, 1) if seconds > 0 else None
-
-    def summary(self, wall: float, final: dict, digest: str, totals: np.ndarray) -> dict:
-        cfg, steps, G = self.cfg, self.steps, self.batch_size
-        ckpt, rec = self.checkpointer, self.recovery
-        fired = self.injector.fired() if self.injector is not None else []
-        return {
-            "steps_completed": steps,
-            "samples_trained": steps * G,
-            "wall_seconds": round(wall, 3),
-            "setup_seconds": round(self.t0 - self.t_setup, 3),
-            "throughput_samples_per_s": round(steps * G / wall, 1),
-            "throughput_after_warmup_samples_per_s": self._after_warmup(wall),
-            "final_auc": final["auc"],
-            "final_logloss": final["logloss"],
-            "final_ne": final["ne"],
-            "ceiling_auc": self.data.ceiling_auc,
-            "failures": rec.summary_failures(),
-            "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in fired],
-            "injections_not_fired": self.injector.not_fired() if self.injector is not None else [],
-            "pls": pls(rec.lost, steps * G),  # rank 0's losses: every partial recovery of the run
-            "embedding_digest": digest,
-            "embeddings": cfg.embeddings.embeddings,
-            "trainers": self.world_size,
-            "torch_threads": torch.get_num_threads(),
-            "shards": self.num_shards,
-            "recovery": cfg.recovery.recovery,
-            "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
-            "checkpoints": [
-                {
-                    "step": s.step,
-                    "pause_s": round(s.pause_s, 4),
-                    "total_s": round(s.total_s, 4),
-                    "bytes": s.bytes,
-                    **({"abandoned": s.abandoned} if s.abandoned else {}),
-                }
-                for s in (ckpt.history if ckpt is not None else [])
-            ],
-            "log_bytes": int(totals[0]),
-            "log_seconds": round(float(totals[1]), 4),
-            "log_behind_seconds": round(self.log_behind_s, 4),
-            "log_background_seconds": round(self.log_background_s, 4),
-            "behind_wait_s": round(getattr(getattr(self.backend, "store", None), "behind_wait_s", 0.0), 4),
-            # this trainer's: rows its steps' writes put on the shards (a window writes each row once)
-            "rows_written": getattr(getattr(self.backend, "store", None), "rows_written", None),
-            "write_every": self.recovery.window_steps,
-            "held_reload_s": round(self.reload_s, 4),
-            "held_rows_after_restores": self.held_after_restores,
-            "checkpoint_every": self.schedule.every,
-            "checkpoint_plan": self.schedule.plan,
-            "priority_saves": len(self.priority_pauses),
-            "priority_pause_s": round(sum(self.priority_pauses), 4),
-            "priority_bytes": int(totals[2]),
-            "flushes": len(self.flush_pauses),
-            "flush_pause_s": round(sum(self.flush_pauses), 4),
-            "flush_bytes": int(totals[3]),
-            "step_ms": self.clock.per_step_ms(steps),
-            # after the warm-up: the training thread on a CPU, runnable but off one, blocked
-            "training_thread_ms": self.clock.thread_ms(),
-            "dense_saves": self.dense_saver.num_saves,
-            "dense_save_seconds": round(self.dense_saver.seconds, 4),
-            **self.backend.stats(),
-        }
 
 
 def _default_signals() -> None:

@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from recsys.clock import WARMUP_STEPS  # noqa: E402
 from recsys.config import DataConfig, EmbeddingConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from recsys.launch import run  # noqa: E402
-from recsys.trainer import WARMUP_STEPS  # noqa: E402
 
 
 def tput(summary: dict) -> float:

@@ -32,7 +32,16 @@ def track(shards: LocalShards) -> None:
 # the tier of each test file (pyproject.toml registers the markers): `make test-fast` runs unit and
 # redis, `make test` everything
 TIERS = {
-    "unit": {"test_log_coverage", "test_planner", "test_shard_map", "test_module", "test_data"},
+    "unit": {
+        "test_log_coverage",
+        "test_planner",
+        "test_shard_map",
+        "test_module",
+        "test_data",
+        "test_groups",
+        "test_protocol",
+        "test_summary",
+    },
     "redis": {"test_keys", "test_store", "test_recovery_parts", "test_launcher", "test_redis_misuse"},
     "chaos": {"test_chaos"},
     "cluster": {"test_remote"},

@@ -12,7 +12,8 @@ from recovery.checkpoint import Checkpointer
 from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
 from recovery.inject import Injection, corrupt_file, parse_injection
 from recovery.log import ShardLog, encode_record, parse_fsync_policy, scan
-from recovery.manager import Collective, RecoveryManager
+from recovery.manager import RecoveryManager
+from recovery.protocol import Collective
 from tests.conftest import track
 
 TABLES = TableSet([TableSpec("a", 300, 4), TableSpec("b", 200, 4)])

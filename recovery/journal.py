@@ -1,0 +1,108 @@
+"""The run's failure journal: what failed, what it cost, durable as each recovery ends.
+
+``{run}/failures.jsonl``: one record per failure, appended by rank 0 as its recovery ends (a
+trainer restart that follows must not lose it); ``{run}/trainer_failures.jsonl``: one line per
+trainer death (the injector, the launcher), turned into records after the restart;
+``{run}/recovery_in_progress.json``: the shards being restored (a restart redoes a restore cut
+short); ``{run}/recovery.log``: one line per thing done, for people.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from recovery import layout
+from recovery.files import append_line, read_lines, write_atomic
+
+
+class Journal:
+    def __init__(self, run_dir: Path | None, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self.failures: list[dict] = []
+
+    def note(self, what: str) -> None:
+        """One line of the run's recovery journal (``{run}/recovery.log``): what was done, when."""
+        if self.run_dir is None:
+            return
+        with open(layout.journal_file(self.run_dir), "a") as f:
+            f.write(f"{time.time():.3f} pid={os.getpid()} rank={self.rank} {what}\n")
+
+    def record(self, rec: dict) -> None:
+        """A failure record, durable at once (a restart that follows must not lose it)."""
+        self.failures.append(rec)
+        if self.run_dir is not None and self.rank == 0:
+            append_line(layout.failures_file(self.run_dir), rec)
+
+    def finish(self, rec: dict, phase: str) -> None:
+        """A restore ended: its record timed and journaled (a transient refusal is only noted)."""
+        rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
+        rec["phase"] = phase
+        if rec.pop("transient", False):  # not a failure: noted, not counted
+            self.note(
+                f"step {rec['step']}: shard {rec['target']} refused by the cluster for {rec['recovery_s']}s, not lost"
+            )
+            return
+        self.record(rec)
+
+    def summary(self) -> list[dict]:
+        """The records without their private fields (those a restart needs)."""
+        return [{k: v for k, v in f.items() if not k.startswith("_")} for f in self.failures]
+
+    def mark_in_recovery(self, shards: list[int]) -> None:
+        """Durable note of the shards being restored: a trainer restart redoes a restore cut short."""
+        if self.run_dir is not None:
+            write_atomic(layout.in_recovery_file(self.run_dir), json.dumps(shards))
+
+    def interrupted_restores(self) -> list[int]:
+        if self.run_dir is None:
+            return []
+        try:
+            return [int(s) for s in json.loads(layout.in_recovery_file(self.run_dir).read_text())]
+        except (OSError, ValueError):
+            return []
+
+    def load(self) -> bool:
+        """Rank 0 after a restart: the failures so far are the journal's (the dense state may be
+        older than the last of them). -> whether it was read."""
+        if self.rank != 0 or self.run_dir is None:
+            return False
+        self.failures = read_lines(layout.failures_file(self.run_dir))
+        return True
+
+    def clear(self) -> None:
+        """A fresh start (rank 0): an earlier run's journal files go."""
+        if self.run_dir is not None:
+            for path in (layout.trainer_failures_file, layout.failures_file, layout.in_recovery_file):
+                path(self.run_dir).unlink(missing_ok=True)
+
+    def record_trainer_failures(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
+        """Rank 0: one record per trainer death not yet recorded (injected, or seen by the launcher)."""
+        if self.rank != 0 or self.run_dir is None:
+            return
+        seen = {f.get("_death") for f in self.failures}
+        for info in read_lines(layout.trainer_failures_file(self.run_dir)):
+            death = f"{info['rank']}@{info['time']}"
+            if death in seen:
+                continue
+            died_at = info.get("step")
+            self.record(
+                {
+                    "kind": info.get("kind", "trainer"),
+                    "target": info["rank"],
+                    "step": died_at if died_at is not None else step + 1,
+                    "strategy": "restart",
+                    **({"shards": info["shards"]} if info.get("shards") else {}),
+                    "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
+                    "recovery_s": round(time.time() - t_restart, 4),
+                    "restored_bytes": restored_bytes,
+                    "rolled_back_rows": rolled,
+                    "lost_updates": 0,
+                    "lost_samples": 0.0,
+                    "replayed_steps": max(0, died_at - step) if died_at else 0,
+                    "_death": death,
+                }
+            )
+            rolled = 0  # counted once, on the first

@@ -1,0 +1,232 @@
+"""The commit protocol: failures recorded as state, one decision per commit point.
+
+A phase of a step (stage rows, write the sparse update, checkpoint, evaluate, final digest, restart
+rollback) runs its store calls under ``Detector.guard``, and so do a writer's priority saves and
+flushes: a shard that fails is recorded, not raised. At the phase's commit point (``commit``, a MAX
+all-reduce of per-shard flags) every trainer sees the same failed set and they recover together;
+rank 0 does the work and tells everyone one ``Verdict``, which each trainer turns into one
+``Outcome``: continue, retry the phase (on these shards), or roll back to step N. A shard that fails
+while another is being recovered is recovered in the same commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from embeddings import ShardUnavailableError
+from recovery.errors import RecoveryError
+
+MAX_ATTEMPTS = 8  # retries of one phase before the run gives up (shards that keep failing)
+
+
+@dataclass
+class Collective:
+    """The few collectives the protocol needs; identity functions with one trainer."""
+
+    world_size: int = 1
+    barrier: Callable[[], None] = lambda: None
+    max_flags: Callable[[np.ndarray], np.ndarray] = lambda a: a
+    broadcast_int: Callable[[int], int] = lambda v: v
+    sum_floats: Callable[[np.ndarray], np.ndarray] = lambda a: a
+
+
+class Action(Enum):
+    CONTINUE = "continue"
+    RETRY = "retry"
+    ROLLBACK = "rollback"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What every trainer does after a commit point."""
+
+    action: Action = Action.CONTINUE
+    recovered: tuple[int, ...] = ()
+    """Shards restored at this commit point."""
+    redo: tuple[int, ...] = ()
+    """Of those, the shards whose part of the phase must run again (their state is older than it)."""
+    to_step: int | None = None
+    """ROLLBACK: the checkpoint step the trainers return to."""
+
+    @property
+    def rolled_back(self) -> bool:
+        return self.action is Action.ROLLBACK
+
+
+CONTINUE = Outcome()
+
+
+@dataclass
+class Verdict:
+    """Rank 0's word after a recovery; every trainer learns the same one (``exchange``)."""
+
+    fatal: bool = False
+    rollback: int | None = None
+    """full (or a rebuild): the checkpoint step every trainer returns to."""
+    as_of: dict[int, int] = field(default_factory=dict)
+    """Recovered shard -> the step its rows are now as of."""
+    redo: set[int] = field(default_factory=set)
+    """Recovered shards whose part of the phase runs again (restored to before it)."""
+    restored: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Shard -> (the step it was restored from, the newest step a restore brought rows of)."""
+
+    def encode(self, n: int) -> np.ndarray:
+        """int64 [2 + 4n]: fatal, rollback + 1, as_of + 2 [n], redo [n], restored from + 2 [n], newest
+        + 2 [n] (a shard restored empty is as of step -1). Every field is >= 0 and 0 means "none", so
+        a MAX all-reduce of rank 0's array with the zeros of the others is rank 0's verdict."""
+        a = np.zeros(2 + 4 * n, dtype=np.int64)
+        a[0] = int(self.fatal)
+        a[1] = 0 if self.rollback is None else self.rollback + 1
+        for s, at in self.as_of.items():
+            a[2 + s] = at + 2
+        for s in self.redo:
+            a[2 + n + s] = 1
+        for s, (base, newest) in self.restored.items():
+            a[2 + 2 * n + s], a[2 + 3 * n + s] = base + 2, newest + 2
+        return a
+
+    @classmethod
+    def decode(cls, a: np.ndarray, n: int) -> Verdict:
+        recovered = [int(s) for s in np.flatnonzero(a[2 : 2 + n])]
+        return cls(
+            fatal=bool(a[0]),
+            rollback=int(a[1]) - 1 if a[1] > 0 else None,
+            as_of={s: int(a[2 + s]) - 2 for s in recovered},
+            redo={int(s) for s in np.flatnonzero(a[2 + n : 2 + 2 * n])},
+            restored={
+                s: (int(a[2 + 2 * n + s]) - 2, int(a[2 + 3 * n + s]) - 2) for s in recovered if a[2 + 2 * n + s] > 0
+            },
+        )
+
+    @classmethod
+    def exchange(cls, mine: Verdict | None, n: int, collective: Collective) -> Verdict:
+        """Rank 0 passes its verdict, the others None: every trainer returns rank 0's."""
+        a = mine.encode(n) if mine is not None else np.zeros(2 + 4 * n, dtype=np.int64)
+        return cls.decode(collective.max_flags(a), n)
+
+    def outcome(self) -> Outcome:
+        recovered = tuple(sorted(self.as_of))
+        if self.rollback is not None:
+            return Outcome(Action.ROLLBACK, recovered, recovered, self.rollback)
+        return Outcome(Action.RETRY, recovered, tuple(sorted(self.redo)))
+
+
+class Detector:
+    """The shards this trainer saw fail since the last commit point, and when."""
+
+    def __init__(self, num_shards: int, collective: Collective) -> None:
+        self.collective = collective
+        self.flags = np.zeros(num_shards, dtype=np.int64)
+        self.detected_at: dict[int, float] = {}
+        self.call_began: dict[int, float] = {}  # shard -> start of the call that saw it fail
+        self._guarded = threading.local()  # .since: start of this thread's guarded call in progress
+        self.seen_at: int | None = None  # commit_behind's step: failure records name it
+
+    def guard(self, fn: Callable[[], object]) -> tuple[bool, object]:
+        """Run a store call; a failed shard is recorded (not raised) for the next commit point."""
+        here = self._guarded
+        outer, here.since = getattr(here, "since", None), time.time()
+        try:
+            return True, fn()
+        except ShardUnavailableError as e:
+            self.fail(e.shard)
+            return False, None
+        finally:
+            here.since = outer
+
+    def fail(self, shard: int) -> None:
+        """Record a shard as failed for the next commit point (as ``guard`` does on an error), and
+        when the guarded call that saw it began (its time until then is lost: it is redone)."""
+        self.flags[shard] = 1
+        now = time.time()
+        self.detected_at.setdefault(shard, now)
+        since = getattr(self._guarded, "since", None)
+        self.call_began.setdefault(shard, since if since is not None else now)
+
+    def flagged(self) -> list[int]:
+        return np.flatnonzero(self.flags).tolist()
+
+    def sync(self) -> list[int]:
+        """Failed shards seen by any trainer since the last commit point (a collective)."""
+        flags = self.collective.max_flags(self.flags.copy())
+        self.flags[:] = 0
+        return [int(s) for s in np.flatnonzero(flags)]
+
+    def forget(self, shard: int) -> None:
+        """The shard is back: its next failure is timed from scratch."""
+        self.detected_at.pop(shard, None)
+        self.call_began.pop(shard, None)
+
+
+class CommitPoints:
+    """``commit`` and ``run_phase``: the points where trainers agree, and what they do then.
+
+    ``writes``: the sparse write path (``recovery.writer.SparseWriter``), whose write-behind in
+    flight is joined when anything failed; ``recover(failed, step, phase) -> Outcome``: the
+    recovery every trainer runs together."""
+
+    def __init__(self, detector: Detector, writes, recover: Callable[[list[int], int, str], Outcome], note) -> None:
+        self.detector, self.writes, self.recover, self.note = detector, writes, recover, note
+
+    def commit(self, step: int, phase: str) -> Outcome:
+        """All trainers agree on the failed shards; if any, they are recovered. A write-behind in
+        flight is joined first when anything failed: its failed shards are recovered with the
+        others, and its part on them is redone before the phase's."""
+        if self.detector.flags.any():
+            self.writes.on_failure_seen()
+        failed = self.detector.sync()
+        self.writes.keep_redo_of(failed)
+        if not failed:
+            return CONTINUE
+        self.note(f"step {step} {phase}: shards {failed} failed")
+        return self.recover(failed, step, phase)
+
+    def run_phase(self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object]) -> Outcome:
+        """Run ``fn(only)`` under the protocol until it commits: ``only`` is None on the first attempt,
+        then the shards whose part must run again. Returns CONTINUE or a ROLLBACK outcome."""
+        only = None
+        for _ in range(MAX_ATTEMPTS):
+            if only is not None:
+                self.writes.redo(only)
+            self.detector.guard(lambda only=only: fn(only))
+            out = self.commit(step, phase)
+            if out.action is not Action.RETRY:
+                return out
+            # restored as of this step or later: the write-behind's rows are there
+            self.writes.drop_redo(set(out.recovered) - set(out.redo))
+            only = out.redo
+        raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
+
+    def commit_behind(self, now: int, reads: bool = False) -> Outcome:
+        """The commit point of the write-behind in flight (if any): the trainer calls it before the
+        next step's update, and with ``reads`` before anything that reads the shards (saves,
+        evaluation, the end), which first writes an open window. A shard that failed under it is
+        recovered and the write's steps redone there, as a failure during a synchronous update
+        would be. With windows, before an update that does not close a window the write in flight
+        is left to run. ``now``: the step the trainer is in. A failure record names the step an
+        injected failure fired at (else the write's), and ``write_step``, the step whose write saw
+        it, where they differ."""
+        w = self.writes
+        if w.window is not None and not reads and not w.window.closes_at(now):
+            return CONTINUE
+        out = self._join_behind(now)
+        if not reads or out.rolled_back or w.window is None or not w.window.open:
+            return out
+        w.write_window()
+        return self._join_behind(now)
+
+    def _join_behind(self, now: int) -> Outcome:
+        step = self.writes.behind_step
+        if step is None:
+            return CONTINUE
+        self.detector.seen_at = now
+        try:
+            return self.run_phase(step, "update", lambda only: self.writes.settle_behind())
+        finally:
+            self.detector.seen_at = None

@@ -1,0 +1,28 @@
+"""The run summary's parts that need no run: the throughput after the warm-up, and the store
+counters it reads, which every store keeps (``embeddings.store.StoreCounters``)."""
+
+import numpy as np
+import torch
+
+from embeddings import SGD, InProcessStore, TableSet, TableSpec, rowkeys
+from recsys.backends import Backend, LocalBackend
+from recsys.summary import after_warmup
+
+
+def test_throughput_after_warmup_counts_only_the_steps_after_it():
+    assert after_warmup(None, 20, 128, 5.0) is None  # the run ended within its warm-up
+    assert after_warmup((20, 1.0), 20, 128, 5.0) is None  # no step after it
+    assert after_warmup((10, 1.0), 20, 128, 3.0) == 10 * 128 / 2.0
+
+
+def test_the_in_process_store_keeps_the_counters_a_summary_reads():
+    store = InProcessStore(TableSet([TableSpec("a", 100, 4), TableSpec("b", 50, 4)]), SGD(lr=0.1))
+    assert store.held is None and store.behind_wait_s == 0.0 and store.reload_s == 0.0
+    assert (store.reload_kept, store.reload_absent, store.reload_read, store.rows_written) == (0, 0, 0, 0)
+    keys = np.concatenate([rowkeys.pack(0, np.array([1, 5, 9])), rowkeys.pack(1, np.array([2, 3]))])
+    store.apply_keys(keys, torch.ones((len(keys), 4)), step=1)
+    assert store.rows_written == 5 and store.applied_step == 1
+
+
+def test_the_local_baseline_is_a_backend_without_a_store():
+    assert issubclass(LocalBackend, Backend) and LocalBackend.store is None
