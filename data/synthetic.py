@@ -49,8 +49,8 @@ class SyntheticConfig:
             raise ValueError(f"zipf has {len(self.zipf)} entries, expected {NUM_SPARSE}")
         if any(n <= 0 for n in self.rows_per_table):
             raise ValueError(f"rows_per_table {self.rows_per_table} must all be > 0")
-        if any(a <= 1.0 for a in self.zipf):
-            raise ValueError(f"zipf exponents {self.zipf} must all be > 1")
+        if any(a <= 1.0 and a != 0 for a in self.zipf):
+            raise ValueError(f"zipf exponents {self.zipf} must all be > 1 (0: uniform ids)")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher {self.teacher!r} must be one of {TEACHERS}")
 
@@ -123,7 +123,8 @@ class SyntheticSource:
         sparse = np.empty((BLOCK, NUM_SPARSE), np.int64)
         for t in range(NUM_SPARSE):
             n = cfg.rows_per_table[t]
-            ranks = np.minimum(rng.zipf(cfg.zipf[t], BLOCK) - 1, n - 1)
+            a = cfg.zipf[t]
+            ranks = rng.integers(0, n, BLOCK) if a == 0 else np.minimum(rng.zipf(a, BLOCK) - 1, n - 1)
             sparse[:, t] = (ranks * 2654435761 + 97 * t) % n  # scatter hot ranks over the table
         dense = dense_transform(raw)
         probs = self.teacher.probabilities(dense, sparse)

@@ -307,10 +307,10 @@ class RedisStore(StoreBase):
             for (t, pos), (rows, missing) in zip(groups, replies[s]):
                 out[t][0][pos] = rows.view("<f4").reshape(len(pos), self.width(t))
                 out[t][1][pos] = missing
-                if self.held is not None and s in self.held.shards:
+                if self.held is not None and s in self.held.shards and not self._from_redis:
                     if missing.any():
                         self.held.absent(t, requests[t][pos[missing]], generation)
-                    if not self._from_redis and not missing.all():  # the writer holds them from now on
+                    if not missing.all():  # the writer holds them from now on
                         present = ~missing
                         self.held.found(t, requests[t][pos[present]], out[t][0][pos[present]], generation)
         return out
@@ -428,14 +428,17 @@ class RedisStore(StoreBase):
 
         self._behind = self._behind_pool.submit(write)
 
-    def hold_written(self, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, step: int) -> None:
-        """Rows handed to a write-behind are held at once: the next step reads them from here."""
+    def hold_written(
+        self, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, step: int, pin: bool = False
+    ) -> None:
+        """Rows handed to a write-behind are held at once: the next step reads them from here.
+        ``pin``: an open window's, not on their shards until it is written (``HeldRows.unpin``)."""
         if self.held is not None:
             if len(self.held.shards) < self.num_shards:
                 mine = np.isin(shards, list(self.held.shards))
-                self.held.put_keys(keys[mine], rows[mine], step)
+                self.held.put_keys(keys[mine], rows[mine], step, pin)
             else:  # one writer of every shard: no mask, no copy
-                self.held.put_keys(keys, rows, step)
+                self.held.put_keys(keys, rows, step, pin)
 
     def join_behind(self) -> dict[int, ShardUnavailableError]:
         """The commit point of the last ``write_behind``: waits for it. -> the shards that failed."""
@@ -540,15 +543,13 @@ class RedisStore(StoreBase):
         return self.held
 
     def assume_fresh(self) -> None:
-        """A fresh run: the held shards that never applied a step hold none of its rows yet, so every
-        row of theirs starts as known absent (no first read from Redis)."""
+        """A fresh run: the held shards that never applied a step hold none of its rows yet, so a row
+        of theirs this writer has not written is known absent (no first read from Redis)."""
         if self.held is None:
             return
-        fresh = [s for s in self.held.shards if self.applied_step(s) is None]
-        for t, spec in enumerate(self.tables.specs):
-            if self.held.holds(t) and fresh:
-                owner = self.shard_map.shard_of(t, np.arange(spec.num_rows))
-                self.held.assume_absent(t, np.flatnonzero(np.isin(owner, fresh)))
+        fresh = {s for s in self.held.shards if self.applied_step(s) is None}
+        if fresh:
+            self.held.assume_fresh(fresh)
 
     def reload_held(
         self,

@@ -275,8 +275,7 @@ class PrioritySaver(ShardRowsSaver):
         keys, order = rowkeys.from_tables(
             {t: np.concatenate([per[t] for per in sel.values() if t in per]) for t in tables}
         )
-        held = self.store.held
-        return sel, tables, keys, order, held.flat(keys) if held is not None else None
+        return sel, tables, keys, order
 
     def on_checkpoint(self, step: int) -> None:
         self.counts.take()  # counted before the checkpoint: it holds them
@@ -288,17 +287,15 @@ class PrioritySaver(ShardRowsSaver):
         restored since is read from Redis)."""
         prepared, self._prepared = self._prepared, None
         if prepared is not None:  # picked by ``prepare`` on the writer thread, after the previous save's write
-            sel, tables, keys, order, at = prepared.result()
+            sel, tables, keys, order = prepared.result()
         else:  # not prepared: picked here, once the writer is idle (the previous save is on disk)
             self.writer.wait()
-            sel, tables, keys, order, at = self._select()
+            sel, tables, keys, order = self._select()
         total = 0
         dims = [spec.dim for spec in self.store.tables.specs]
-        # [n, width], in key order: the pause. Every row held: one gather at the positions worked out
-        # with the pick; else (a restored shard's rows not read back yet) held rows, init or Redis
-        held = self.store.held.gather(at) if at is not None else None
-        if held is None:
-            held = self.store.read_keys(keys)
+        # [n, width], in key order: the pause. Held rows by one gather; rows not held (evicted, or
+        # a restored shard's not read back yet) by the lazy init or from Redis
+        held = self.store.read_keys(keys)
         chunks = self.counts.take()
 
         def write() -> None:  # in the background: the update counts, then one file per shard

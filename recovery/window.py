@@ -1,7 +1,7 @@
 """A write-behind window: the rows of several steps reach their shards in one write.
 
 With ``write_every`` K (one trainer, write-behind, every table held), a step's updated rows are
-held at once (the next step reads them there) and go to their shards when the window closes:
+held at once (pinned in the bounded row cache until written) (the next step reads them there) and go to their shards when the window closes:
 every K steps, or early where something reads the shards (a save, an evaluation, the end) or a
 shard failed. The window's write carries each row once, as of the window's last step, and an undo
 record of the rows' values before the window (each row's value when the window first updated it):
@@ -23,7 +23,6 @@ class Window:
             raise ValueError(f"write_every {every}: a window spans at least 2 steps")
         self.every = every
         self.held = held
-        self._dirty = np.zeros(held.positions, bool)  # per held row: updated in the open window
         self._keys: list[np.ndarray] = []  # per step: the keys it updated first in the window
         self._undo: list[np.ndarray] = []  # their rows before the window
         self.updates: list[tuple[object, int]] = []  # (update, step) of each step in the window
@@ -36,23 +35,21 @@ class Window:
         return step % self.every == 0
 
     def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
-        """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``."""
-        at = self.held.flat(keys)
-        if at is None or bool((at < 0).any()):
-            raise ValueError("a write-behind window needs every table held")
-        fresh = ~self._dirty[at]
+        """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new
+        rows are pinned in the held rows (``RedisStore.hold_written(pin=True)``) until ``take``."""
+        fresh = ~np.isin(keys, np.concatenate(self._keys)) if self._keys else np.ones(len(keys), bool)
         if fresh.all():  # kept over steps: a copy, whatever the caller does with its array later
             before = before.copy()
         else:
-            keys, before, at = keys[fresh], before[fresh], at[fresh]
-        self._dirty[at] = True
+            keys, before = keys[fresh], before[fresh]
         self._keys.append(keys)
         self._undo.append(before)
         self.updates.append((update, step))
 
     def take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[object, int]]]:
         """Close the window: -> (sorted keys it updated, their rows now, their rows before it, its
-        steps' updates). The rows are a copy: the next steps update the held rows in place."""
+        steps' updates). The rows are a copy: the next steps update the held rows in place; they are
+        unpinned (the write that takes them is the window's commit point)."""
         keys = np.concatenate(self._keys)
         undo = np.concatenate(self._undo)
         order = np.argsort(keys, kind="stable")
@@ -60,12 +57,13 @@ class Window:
         rows = self.held.copy_rows(keys)
         if rows is None:
             raise RuntimeError("a write-behind window's rows are no longer held")
-        self._dirty[self.held.flat(keys)] = False
+        self.held.unpin(keys)
         updates = self.updates
         self._keys, self._undo, self.updates = [], [], []
         return keys, rows, undo, updates
 
     def clear(self) -> None:
         """Forget the open window (a rollback took the rows back before it)."""
-        self._dirty[:] = False
+        if self._keys:
+            self.held.unpin(np.concatenate(self._keys))
         self._keys, self._undo, self.updates = [], [], []

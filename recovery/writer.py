@@ -147,7 +147,7 @@ class SparseWriter:
                     self._logged(s, step)
                     log.append_keys(step, keys, new, shards)
         if self.window is not None:  # held now, written when the window closes
-            self.store.hold_written(keys, new, shards, step)
+            self.store.hold_written(keys, new, shards, step, pin=True)
             self.window.add(owned, step, keys, current)
             if self.window.closes_at(step):
                 self.write_window(before)

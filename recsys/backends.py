@@ -124,12 +124,10 @@ class StoreBackend(Backend):
         self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
-            self.store.hold_rows(mine, cfg.embeddings.held_rows_mb << 20)
+            self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
         held = self.store.held
         # one trainer holding every table reads every row from memory: a prefetch would only copy them twice
-        held_all = (
-            world_size == 1 and held is not None and all(held.holds(t) for t in range(len(self.store.tables.specs)))
-        )
+        held_all = world_size == 1 and held is not None and held.holds_everything()
         self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch and not held_all else None
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)

@@ -33,7 +33,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "synthetic | criteo-kaggle:PATH (train.txt[.gz] or a preprocessed dir) | criteo-terabyte:DIR",
     ),
     "--rows-per-table": ("data", "rows_per_table", int, "rows of each of the 26 embedding tables"),
-    "--zipf": ("data", "zipf", float, "synthetic: Zipf exponent of the categorical ids (> 1)"),
+    "--zipf": ("data", "zipf", float, "synthetic: Zipf exponent of the categorical ids (> 1; 0: uniform ids)"),
     "--teacher": ("data", "teacher", str, "synthetic: label model, logistic | dot"),
     "--eval-samples": ("data", "eval_samples", int, "held-out samples per evaluation"),
     "--embedding-dim": ("model", "embedding_dim", int, "dim of every embedding table"),
@@ -67,8 +67,9 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--held-rows-mb": (
         "embeddings",
         "held_rows_mb",
-        int,
-        "MB of tables each trainer may hold in memory for the rows it writes (no re-read on update); 0: off",
+        float,
+        "MB of row cache each trainer keeps for the rows it writes (no re-read on update; the least read "
+        "rows go when full); 0: off",
     ),
     "--write-every": (
         "embeddings",

@@ -33,7 +33,7 @@ class DataConfig:
     rows_per_table: int = 100_000
     """Rows of each of the 26 tables (categorical values are taken mod this)."""
     zipf: float = 1.2
-    """Synthetic only: Zipf exponent of the categorical ids (> 1)."""
+    """Synthetic only: Zipf exponent of the categorical ids (> 1); 0: uniform ids (a cache's worst case)."""
     teacher: Literal["logistic", "dot"] = "dot"
     """Synthetic only: the label model."""
     eval_samples: int = 32_768
@@ -51,7 +51,7 @@ class DataConfig:
             _check(bool(self.path), "data", self.data, "needs a path after the colon")
             _check(Path(self.path).exists(), "data", self.data, f"path {self.path!r} does not exist")
         _check(self.rows_per_table > 0, "rows_per_table", self.rows_per_table, "must be > 0")
-        _check(self.zipf > 1.0, "zipf", self.zipf, "must be > 1")
+        _check(self.zipf > 1.0 or self.zipf == 0, "zipf", self.zipf, "must be > 1, or 0 for uniform ids")
         _check(self.teacher in ("logistic", "dot"), "teacher", self.teacher, "must be logistic or dot")
         _check(self.eval_samples > 0, "eval_samples", self.eval_samples, "must be > 0")
 
@@ -99,9 +99,10 @@ class EmbeddingConfig:
     replicas: str = ""
     """A replica per shard (Redis replication), promoted by --recovery replica: ``local`` (with redis=local,
     start one here per shard) or comma-separated URLs, one per shard, in shard order."""
-    held_rows_mb: int = 2048
-    """Each trainer holds the rows it writes in memory (write-through), up to this many MB of tables:
-    updates and stages read them there instead of from Redis. 0: off."""
+    held_rows_mb: float = 2048
+    """Each trainer caches the rows it writes in memory (write-through), in at most this many MB
+    (rows with their slot's bookkeeping; fractions allowed): updates and stages read them there
+    instead of from Redis, and the least read go when it is full. 0: off."""
     write_behind: bool = True
     """With one trainer (it writes every shard it reads) and held rows: a step's rows go to the shards
     on a background thread while the next step computes; their commit point is the next update (or

@@ -3,6 +3,7 @@ trainer hands it (``run_summary``); the keys are documented in ``docs/architectu
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,10 @@ def run_summary(
         "write_every": write_every,
         "held_reload_s": round(saves.held_reload_s, 4),
         "held_rows_after_restores": saves.held_rows_after_restores,
+        # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
+        # added beyond the budget for an open window
+        "row_cache": None if store is None or store.held is None else store.held.stats(),
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # this process's peak
         "checkpoint_every": schedule.every,
         "checkpoint_plan": schedule.plan,
         "priority_saves": len(priority_pauses),

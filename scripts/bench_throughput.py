@@ -36,7 +36,13 @@ whose speed moves over minutes, a round's figures see the same machine.
 shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
 says where it can no longer allocate its tables (needed beside available memory).
 
+``--cache-sweep 100,25,10,2``: only the row cache sweep: each budget (percent of the tables' bytes)
+against the tier's samples/s, hit rate and peak RSS (each run its own ``recsys train`` process,
+synthetic data generated in the step), Zipf and uniform ids, budget 0 for the RSS without a cache,
+and torchrec's fused engine beside them.
+
     python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2] [--pairs 5]
+    python scripts/bench_throughput.py --cache-sweep 100,25,10,2 --rows-per-table 2000000
 """
 
 from __future__ import annotations
@@ -194,6 +200,38 @@ def sweep(args, tmp: Path) -> list[tuple]:
     return out
 
 
+def cache_run(args, out: Path, rows: int, budget_mb: float, zipf: float) -> dict:
+    """One tier run (1 trainer, 2 shards) with a row cache of ``budget_mb``, as its own process
+    (``recsys train``), so that its peak RSS is the trainer's own."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "recsys", "train", "--trainers", "1", "--shards", "2", "--max-restarts", "0"]
+    cmd += ["--rows-per-table", str(rows), "--embedding-dim", str(args.embedding_dim), "--zipf", str(zipf)]
+    cmd += ["--steps", str(args.steps + WARMUP_STEPS), "--batch-size", str(args.batch_size), "--eval-every", "0"]
+    cmd += ["--eval-samples", "4096", "--log-every", str(args.steps), "--optimizer", args.optimizer]
+    cmd += ["--held-rows-mb", f"{budget_mb:g}", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return json.loads((out / "summary.json").read_text())
+
+
+def cache_sweep(args, tmp: Path) -> list[dict]:
+    """Row cache budgets (percent of the tables' bytes) against samples/s, hit rate and the trainer's
+    peak RSS, for Zipf ids (``--zipf`` of the run, 1.2) and uniform ids; budget 0 (no cache) gives the
+    RSS a trainer has without one."""
+    rows, dim = args.rows_per_table, args.embedding_dim
+    table_mb = 26 * rows * (dim + 1) * 4 / 2**20
+    out = []
+    for zipf in (1.2, 0):
+        for pct in [float(x) for x in args.cache_sweep.split(",")] + [0.0]:
+            mb = table_mb * pct / 100
+            s = cache_run(args, tmp / f"cache-{zipf}-{pct}", rows, mb, zipf)
+            c = s.get("row_cache") or {}
+            hit = c["hits"] / c["lookups"] if c.get("lookups") else None
+            out.append({"zipf": zipf, "pct": pct, "mb": mb, "tput": tput(s), "hit": hit, "rss": s["max_rss_mb"], **c})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps per configuration")
@@ -224,7 +262,34 @@ def main() -> None:
         choices=["preprocessed", "synthetic"],
         help="preprocessed: every engine trains from the same preprocessed files; synthetic: generated in the step",
     )
+    ap.add_argument(
+        "--cache-sweep",
+        default="",
+        help="comma-separated row cache budgets in percent of the tables' bytes (e.g. 100,25,10,2): the tier's "
+        "samples/s, hit rate and peak RSS at each, Zipf and uniform ids, beside the fused engine (only this)",
+    )
     args = ap.parse_args()
+    if args.cache_sweep:
+        with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
+            args.tmp = tmp
+            table_mb = 26 * args.rows_per_table * (args.embedding_dim + 1) * 4 / 2**20
+            got = cache_sweep(args, Path(tmp))
+            fused = fused_samples_per_s(args)
+        print(f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim}")
+        print(f"({table_mb:,.0f} MB of rows and row-wise state); torchrec fused EBC: {fused:,.0f} samples/s\n")
+        print("| ids | cache budget | MB | samples/s | x own 100% | x fused | hit rate | evicted rows | peak RSS MB |")
+        print("|---" * 9 + "|")
+        for zipf in (1.2, 0):
+            rs = [r for r in got if r["zipf"] == zipf]
+            full = next((r["tput"] for r in rs if r["pct"] == 100), None)
+            for r in rs:
+                own = f"{r['tput'] / full:.2f}x" if full else ""
+                hit = f"{r['hit']:.3f}" if r["hit"] is not None else "-"
+                print(
+                    f"| {'Zipf 1.2' if zipf else 'uniform'} | {r['pct']:g}% | {r['mb']:,.1f} | {r['tput']:,.0f} | "
+                    f"{own} | {r['tput'] / fused:.2f}x | {hit} | {r.get('evicted', 0):,} | {r['rss']:,.0f} |"
+                )
+        return
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     shard_counts = [int(s) for s in args.shards.split(",")]
     trainer_counts = [int(t) for t in args.trainers.split(",")]

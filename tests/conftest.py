@@ -41,6 +41,7 @@ TIERS = {
         "test_groups",
         "test_protocol",
         "test_summary",
+        "test_row_cache",
     },
     "redis": {"test_keys", "test_store", "test_recovery_parts", "test_launcher", "test_redis_misuse"},
     "chaos": {"test_chaos"},

@@ -44,9 +44,9 @@ def train(out: Path, *flags: str) -> dict:
         raise AssertionError(f"seed {SEED}: {e}") from None
 
 
-def chaos(out: Path, strategy: str) -> tuple[dict, list[str]]:
+def chaos(out: Path, strategy: str, *more: str) -> tuple[dict, list[str]]:
     injections = schedule(SEED)
-    flags = ["--recovery", strategy]
+    flags = ["--recovery", strategy, *more]
     for spec in injections:
         flags += ["--inject", spec]
     return train(out, *flags), injections
@@ -148,5 +148,37 @@ def test_write_behind_windows_survive_chaos_bit_for_bit(tmp_path, baseline_windo
     assert s["write_every"] == 5 and s["injections_not_fired"] == [], msg
     assert ("trainer", 0) in {(f["kind"], f["target"]) for f in s["failures"] if f["strategy"] == "restart"}, msg
     assert any(f["strategy"] == strategy for f in s["failures"]), msg
+    assert s["embedding_digest"] == baseline_windows["embedding_digest"], msg
+    assert all(f["lost_updates"] == 0 for f in s["failures"]), msg
+
+
+SMALL_CACHE = ["--held-rows-mb", "0.15"]  # 1,941 rows of 52,000: the tables are 27x the trainers' cache
+
+
+def test_log_recovery_with_a_row_cache_a_tenth_of_the_tables_survives_chaos_bit_for_bit(tmp_path, baseline):
+    """The same chaos (shard kills, a stall, a trainer kill, a node failure) with each trainer caching
+    under a tenth of its tables' rows: rows leave the cache and come back from their shards all run
+    long, and the run ends on the failure-free, whole-cache run's rows."""
+    s, injections = chaos(tmp_path, "log", *SMALL_CACHE)
+    every_failure_fired_and_recorded(s, injections, "log")
+    cache = s["row_cache"]
+    assert cache["table_rows"] >= 10 * cache["capacity_rows"] and cache["evicted"] > 0
+    assert s["embedding_digest"] == baseline["embedding_digest"], f"seed {SEED}: {injections}"
+    assert s["pls"] == 0.0 and s["steps_completed"] == 150
+
+
+def test_write_behind_windows_with_a_small_row_cache_end_bit_for_bit(tmp_path, baseline_windows):
+    """Windows of 5 steps with a cache a tenth of the tables: a window's rows stay (pinned) until it is
+    written, the rest come and go; shard kills, a stall and a trainer kill at random moments."""
+    injections = schedule_one(SEED)
+    flags = [x for spec in injections for x in ("--inject", spec)]
+    try:
+        s = train_cli(tmp_path, *ONE, "--recovery", "log", *SMALL_CACHE, *flags, timeout=420)
+    except AssertionError as e:
+        raise AssertionError(f"seed {SEED}: {e}") from None
+    msg = f"seed {SEED}: {injections}: {json.dumps(s['failures'])}"
+    cache = s["row_cache"]
+    assert s["write_every"] == 5 and cache["evicted"] > 0, msg
+    assert cache["table_rows"] >= 10 * (cache["capacity_rows"] - cache["grown"]), msg
     assert s["embedding_digest"] == baseline_windows["embedding_digest"], msg
     assert all(f["lost_updates"] == 0 for f in s["failures"]), msg

@@ -1,0 +1,82 @@
+"""The bounded row cache (``embeddings.held``) and its key index, against plain Python models."""
+
+import numpy as np
+
+from embeddings.held import HELD, HeldRows
+from embeddings.keyindex import KeyIndex
+from embeddings.rowkeys import pack
+from embeddings.tables import TableSet, TableSpec
+
+
+def test_the_key_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
+    rng = np.random.default_rng(0)
+    slot_keys = np.full(5000, -1, np.int64)
+    index = KeyIndex(5000, slot_keys)
+    model: dict[int, int] = {}
+    free = list(range(5000))
+    for _ in range(60):
+        new = np.setdiff1d(np.unique(pack(rng.integers(0, 3), rng.integers(0, 10**9, 300))), list(model))
+        new = new[: len(free)]
+        slots = np.array([free.pop() for _ in new], np.int64)
+        slot_keys[slots] = new
+        index.insert(new, slots)
+        model.update(zip(new.tolist(), slots.tolist(), strict=True))
+        gone = rng.choice(list(model), min(len(model), 250), replace=False)
+        index.remove(np.asarray(gone, np.int64))
+        for k in gone.tolist():
+            s = model.pop(k)
+            slot_keys[s] = -1
+            free.append(s)
+        probe = np.concatenate([np.fromiter(model, np.int64), gone[:50], pack(7, np.arange(50))])
+        want = np.array([model.get(k, -1) for k in probe.tolist()])
+        np.testing.assert_array_equal(index.lookup(probe), want)
+
+
+def cache(rows_per_table=10_000, budget_rows=500, tables=2, width=4):
+    specs = TableSet([TableSpec(f"t{i}", rows_per_table, width - 1) for i in range(tables)])
+    slot = width * 4 + 45
+    return HeldRows(specs, [width] * tables, {0}, budget_rows * slot, init=lambda k: np.zeros((len(k), width)))
+
+
+def test_a_bounded_cache_serves_what_was_written_keeps_hot_rows_and_never_outgrows_its_budget():
+    held = cache()
+    assert held.capacity == 500 and not held.holds_everything() and held.holds_all()
+    rng = np.random.default_rng(1)
+    truth: dict[int, np.ndarray] = {}
+    hot = pack(0, np.arange(50))
+    for step in range(1, 200):
+        cold = pack(1, rng.choice(10_000, 200, replace=False))
+        keys = np.unique(np.concatenate([hot, cold]))
+        held.lookup_keys(keys)  # a stage reads them: the hot ones every step
+        rows = rng.standard_normal((len(keys), 4)).astype(np.float32)
+        held.put_keys(keys, rows, step)
+        truth.update(zip(keys.tolist(), rows, strict=True))
+        assert held.used <= held.capacity == 500
+    pos, got, _ = held.lookup_keys(np.fromiter(truth, np.int64))
+    probe = np.fromiter(truth, np.int64)[pos]
+    np.testing.assert_array_equal(got, np.stack([truth[k] for k in probe.tolist()]))  # every row held is current
+    assert np.isin(hot, probe).all()  # read every step: never evicted
+    assert held.evicted > 0 and len(pos) <= 500
+
+
+def test_pinned_rows_stay_and_grow_the_cache_only_when_they_must():
+    held = cache(budget_rows=100)
+    keys = pack(0, np.arange(150))
+    held.put_keys(keys, np.ones((150, 4), np.float32), step=1, pin=True)  # an open window: on no shard yet
+    assert held.capacity >= 150 and held.grown >= 50
+    for step in range(2, 6):  # other rows come and go; the pinned ones stay
+        held.put_keys(pack(1, np.arange(step * 100, step * 100 + 100)), np.zeros((100, 4), np.float32), step)
+    np.testing.assert_array_equal(held.copy_rows(keys), np.ones((150, 4), np.float32))
+    held.unpin(keys)
+    assert (held.state_of(keys) == HELD).all()
+
+
+def test_a_cleared_shard_is_read_back_and_an_evicted_forgotten_row_is_not_claimed():
+    specs = TableSet([TableSpec("t", 1000, 3)])
+    held = HeldRows(specs, [4], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) % 2).astype(np.int16))
+    keys = pack(0, np.arange(100))
+    held.put_keys(keys, np.ones((100, 4), np.float32), step=3)
+    held.clear(1)
+    unknown = held.unknown(1)[0]
+    np.testing.assert_array_equal(unknown, np.arange(1, 100, 2))  # shard 1's rows, to read back
+    assert held.reinstate(1) == 50 and held.unknown(1) == {}
