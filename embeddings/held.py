@@ -57,14 +57,27 @@ SLOT_OVERHEAD = 8 + 8 + 4 + 4 + 5 + 16
 
 class HeldRows:
     def __init__(
-        self, tables: TableSet, widths: list[int], shards: set[int], budget_bytes: int, owner_of=None, init=None
+        self,
+        tables: TableSet,
+        widths: list[int],
+        shards: set[int],
+        budget_bytes: int,
+        owner_of=None,
+        init=None,
+        owner_of_keys=None,
+        num_shards: int | None = None,
     ) -> None:
         """``owner_of(table, ids)``: the shard of each row (``ShardMap.shard_of``), so that a shard's
-        rows can be forgotten alone; without it ``clear`` forgets every row. ``init(keys)``: the
-        initial rows [n, width] of packed keys (lazy-init weights, zero optimizer state)."""
+        rows can be forgotten alone; without it ``clear`` forgets every row. ``owner_of_keys(keys)``:
+        the same for packed keys of every table at once (``ShardMap.shard_of_keys``), faster.
+        ``init(keys)``: the initial rows [n, width] of packed keys (lazy-init weights, zero optimizer
+        state). ``num_shards``: the store's (this writer writes every shard: no owner needed to tell a
+        fresh shard's row)."""
         self.shards = set(shards)
+        self._every_shard = num_shards is not None and self.shards >= set(range(num_shards))
         self._init = init
         self._owner_of = owner_of
+        self._owner_of_keys = owner_of_keys
         self.width = widths[0]
         self._held = np.array([w == self.width for w in widths], bool)
         num_rows = np.array([spec.num_rows for spec in tables.specs], np.int64)
@@ -75,20 +88,27 @@ class HeldRows:
         self.capacity = int(min(self.table_rows, budget_bytes // slot_bytes))
         c = self.capacity
         self._key = np.full(c, -1, np.int64)
-        self._rows = np.zeros((c, self.width), np.float32)  # every page touched now, as an engine's tables
-        self._state = np.zeros(c, np.int8)
+        # every page is touched now, as an engine that allocates its tables does: left to the first
+        # write of each row, a step that writes thousands of new rows faults in a page for each
+        self._rows = np.empty((c, self.width), np.float32)
+        self._rows.fill(0.0)
+        self._state = np.full(c, 0, np.int8)  # touched now (np.zeros would fault pages in mid-run)
         # per slot, the step of this writer's first write since the row was known never written (-1:
         # it may have existed before) and of its last write (NEVER: unknown): what a restore to an
         # earlier step left of the row is known without reading it (``restored``)
         self._first = np.full(c, -1, np.int32)
         self._last = np.full(c, NEVER, np.int32)
-        self._owner = np.zeros(c, np.int16)
-        self._reads = np.zeros(c, np.uint8)
-        self._touched = np.zeros(c, np.int32)
-        self._pinned = np.zeros(c, bool)
-        self._free = np.arange(c, dtype=np.int32)[::-1].copy()  # a stack: _free[:_nfree]
-        self._nfree = c
-        self._index = KeyIndex(c, self._key)
+        self._owner = np.full(c, 0, np.int16)  # touched now (np.zeros would fault pages in mid-run)
+        self._reads = np.full(c, 0, np.uint8)  # touched now (np.zeros would fault pages in mid-run)
+        self._touched = np.full(c, 0, np.int32)  # touched now (np.zeros would fault pages in mid-run)
+        self._pinned = np.full(c, 0, bool)  # touched now (np.zeros would fault pages in mid-run)
+        # every row fits: a row's slot is its position among the held tables' rows (no index, no
+        # eviction); else slots are handed out from a free stack and found through the hash index
+        self._direct = c >= self.table_rows
+        self._free = np.empty(0, np.int32) if self._direct else np.arange(c, dtype=np.int32)[::-1].copy()
+        self._nfree = c  # the free stack is _free[:_nfree] (direct: the slots never used)
+        self._index = None if self._direct else KeyIndex(c, self._key)
+        self._memo: tuple | None = None  # (keys, their slots, eviction round): a step's write finds its read's
         self.bytes = c * slot_bytes
         self._fresh: set[int] = set()
         self._written: np.ndarray | None = None  # a fresh run: one bit per row this writer wrote
@@ -130,7 +150,23 @@ class HeldRows:
         return self.capacity - self._nfree
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
-        return self._index.lookup(keys) if self.capacity else np.full(len(keys), -1, np.int64)
+        """The slot of each packed key, or -1 (under ``_lock``)."""
+        memo = self._memo
+        if memo is not None and memo[2] == self.evicted and (memo[0] is keys):
+            return memo[1]
+        if not self.capacity:
+            return np.full(len(keys), -1, np.int64)
+        if self._direct:
+            pos = self._flat(keys)
+            slots = np.where(self._key[pos] == keys, pos, -1)
+        else:
+            slots = self._index.lookup(keys)
+        self._memo = (keys, slots, self.evicted)
+        return slots
+
+    def _flat(self, keys: np.ndarray) -> np.ndarray:
+        tables, ids = rowkeys.unpack(keys)
+        return self._base[tables] + ids
 
     def _states(self, slots: np.ndarray) -> np.ndarray:
         return np.where(slots >= 0, self._state[np.maximum(slots, 0)], FREE)
@@ -146,12 +182,16 @@ class HeldRows:
         if self._written is None or not len(keys):
             return np.zeros(len(keys), bool)
         tables, ids = rowkeys.unpack(keys)
-        fresh = np.isin(self._owners(keys), list(self._fresh)) & self._held[tables]
+        fresh = self._held[tables]
+        if not (self._every_shard and self._fresh >= self.shards):
+            fresh &= np.isin(self._owners(keys), list(self._fresh))
         bit = self._base[tables] + ids
         written = (self._written[bit >> 3] >> (bit & 7).astype(np.uint8)) & 1
         return fresh & (written == 0)
 
     def _owners(self, keys: np.ndarray) -> np.ndarray:
+        if self._owner_of_keys is not None:
+            return self._owner_of_keys(keys).astype(np.int16)
         if self._owner_of is None:
             return np.zeros(len(keys), np.int16)
         tables = keys >> rowkeys.ROW_BITS
@@ -295,7 +335,10 @@ class HeldRows:
         n = min(len(keys), self._nfree)
         if not n:
             return
-        slots = self._free[self._nfree - n : self._nfree][::-1].astype(np.int64)
+        if self._direct:
+            slots = self._flat(keys[:n])
+        else:
+            slots = self._free[self._nfree - n : self._nfree][::-1].astype(np.int64)
         self._nfree -= n
         keys = keys[:n]
         self._key[slots] = keys
@@ -312,7 +355,9 @@ class HeldRows:
         self._reads[slots] = 1
         self._touched[slots] = self.epoch
         self._pinned[slots] = pin
-        self._index.insert(keys, slots)
+        self._memo = None
+        if self._index is not None:
+            self._index.insert(keys, slots)
 
     def _grow(self, extra: int) -> None:
         """At least ``extra`` more slots (the cache doubles): an open write-behind window's rows are
