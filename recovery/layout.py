@@ -76,6 +76,7 @@ CHECKPOINTS = "checkpoints"
 LOGS = "logs"
 """The log folder in the output folder, unless the run names another."""
 SCHEDULE = "schedule.json"
+TENSORBOARD = "tensorboard"
 """A bench's failure schedule(s), in the bench's output folder."""
 
 
@@ -172,6 +173,11 @@ def default_checkpoint_dir(out: Folder) -> Path:
 def default_log_dir(out: Folder) -> Path:
     """``{out}/logs``: the log folder unless the run names one."""
     return Path(out) / LOGS
+
+
+def tensorboard_dir(out: Folder) -> Path:
+    """``{out}/tensorboard``: the run's TensorBoard events (``--tensorboard``)."""
+    return Path(out) / TENSORBOARD
 
 
 def schedule_file(out: Folder) -> Path:

@@ -161,6 +161,7 @@ _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS
     "embeddings.huge_pages": "--huge-pages",
     "embeddings.replica_wait": "--replica-wait",
     "train.save_model": "--save-model",
+    "train.tensorboard": "--tensorboard",
     "recovery.priority_half": "--priority-half",
     "recovery.inject": "--inject",
 }
@@ -199,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         "madvise or always)",
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
+    tr.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write metrics and failures as TensorBoard events in OUT/tensorboard (pip install .[tensorboard])",
+    )
     tr.add_argument(
         "--replica-wait",
         action="store_true",
@@ -283,6 +289,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["embeddings"]["huge_pages"] = True
     if args.save_model:
         sections["train"]["save_model"] = True
+    if args.tensorboard:
+        sections["train"]["tensorboard"] = True
     if args.replica_wait:
         sections["embeddings"]["replica_wait"] = True
     if args.priority_half:

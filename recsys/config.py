@@ -209,6 +209,9 @@ class TrainConfig:
     """Run directory for config.toml, metrics.jsonl, summary.json, plots/."""
     save_model: bool = False
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
+    tensorboard: bool = False
+    """Also write the metrics and failures as TensorBoard events in ``{out}/tensorboard`` (needs the
+    ``tensorboard`` package: ``pip install .[tensorboard]``)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     threads: int = 0

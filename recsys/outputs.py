@@ -11,7 +11,7 @@ import numpy as np
 
 from recovery import layout
 from recovery.files import name_path, write_atomic
-from recsys.config import RunConfig
+from recsys.config import ConfigError, RunConfig
 from recsys.errors import release_space
 
 
@@ -29,6 +29,40 @@ def embedding_digest(tables: Iterable[tuple[str, Iterable[np.ndarray]]]) -> str:
     return h.hexdigest()
 
 
+class TensorBoardEvents:
+    """The run's metrics and failures as TensorBoard events (torch's ``SummaryWriter``): every
+    numeric field of a metrics line as a scalar at its step; each failure as scalars under
+    ``failures/`` (recovery seconds, lost updates and samples, restored bytes) at its step and one
+    text record; the summary's figures as text at the end."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(
+                f"--tensorboard: the tensorboard package is not installed ({e}); pip install .[tensorboard]"
+            ) from None
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, record: dict) -> None:
+        step = record.get("step")
+        for k, v in record.items():
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
+                self.writer.add_scalar(f"train/{k}", v, step)
+        self.writer.flush()
+
+    def finish(self, summary: dict) -> None:
+        for f in summary.get("failures", []):
+            step = f.get("step")
+            for k in ("recovery_s", "lost_updates", "lost_samples", "restored_bytes"):
+                if isinstance(f.get(k), int | float):
+                    self.writer.add_scalar(f"failures/{k}", f[k], step)
+            self.writer.add_text("failures", f"`{json.dumps(f)}`", step)
+        figures = {k: v for k, v in summary.items() if isinstance(v, int | float | str) and not isinstance(v, bool)}
+        self.writer.add_text("summary", "\n".join(f"- {k}: {v}" for k, v in figures.items()), summary.get("steps"))
+        self.writer.close()
+
+
 class RunOutputs:
     """Writer of a run directory (rank 0 only)."""
 
@@ -42,9 +76,12 @@ class RunOutputs:
             [json.loads(line) for line in path.read_text().splitlines()] if append and path.exists() else []
         )
         self._metrics = open(path, "a" if append else "w")
+        self.events = TensorBoardEvents(layout.tensorboard_dir(self.dir)) if cfg.train.tensorboard else None
 
     def log(self, record: dict) -> None:
         self.records.append(record)
+        if self.events is not None:
+            self.events.log(record)
         try:
             self._metrics.write(json.dumps(record) + "\n")
             self._metrics.flush()
@@ -54,6 +91,8 @@ class RunOutputs:
 
     def finish(self, summary: dict) -> None:
         self._metrics.close()
+        if self.events is not None:
+            self.events.finish(summary)
         write_atomic(layout.summary_file(self.dir), json.dumps(summary, indent=2) + "\n")
         release_space(self.dir)  # the run ended well: no traceback to keep room for
         plot_training(self.records, summary, layout.training_plot(self.dir))

@@ -33,6 +33,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "train.progress",
         "train.save_model",
         "train.threads",
+        "train.tensorboard",
         # where the shards are and how they are reached (same count, same kind: checked apart)
         "embeddings.redis",
         "embeddings.replicas",

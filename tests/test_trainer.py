@@ -232,3 +232,24 @@ def test_torchrun_joins_shards_that_already_run(tmp_path):
 
         keys = sum(redis.Redis.from_url(u).dbsize() for u in sh.urls)
         assert keys > 100  # the rows live in the shards we started
+
+
+def test_tensorboard_events_hold_the_metrics_and_each_failure_at_its_step(tmp_path):
+    """``--tensorboard``: metrics.jsonl's numbers as scalars at their steps, each failure's recovery
+    time and losses at its step, beside metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.conftest import train_cli
+
+    out = tmp_path / "run"
+    flags = ["--steps", "30", "--trainers", "1", "--shards", "2", "--rows-per-table", "1000", "--embedding-dim", "8"]
+    flags += ["--batch-size", "128", "--log-every", "5", "--eval-samples", "2048", "--recovery", "partial"]
+    s = train_cli(out, *flags, "--checkpoint-every", "10", "--inject", "shard:1@step=14", "--tensorboard")
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    losses = {e.step: e.value for e in ea.Scalars("train/loss")}
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses == pytest.approx({r["step"]: r["loss"] for r in lines if "loss" in r})
+    (f,) = s["failures"]
+    (lost,) = ea.Scalars("failures/lost_updates")
+    assert lost.step == f["step"] == 14 and lost.value == f["lost_updates"] > 0
