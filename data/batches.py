@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from data.criteo import SPARSE_NAMES, BinaryCriteo
 from data.errors import DataError
+from data.hashing import hash_uniform
 
 
 class Source(Protocol):
@@ -32,6 +33,33 @@ class Arrays:
     dense: np.ndarray
     sparse: np.ndarray
     labels: np.ndarray
+    bags: list[np.ndarray] | None = None
+    """Multi-hot: per feature, [n, ids per bag] (``MultiHot``); None: one id per feature (``sparse``)."""
+
+
+class MultiHot:
+    """A source's one id per feature made into bags of ``sizes[t]`` ids, as MLPerf DLRM-v2 makes
+    Criteo multi-hot: the bag of feature t holds the sample's id, then ``sizes[t] - 1`` ids drawn by
+    a hash of (feature, id, position) over the table's ``rows[t]`` rows. A pure function of the id,
+    so a hot id brings a hot bag, and every trainer and resume sees the same bags."""
+
+    def __init__(self, source: Source, sizes: Sequence[int], rows: Sequence[int]) -> None:
+        if len(sizes) != len(rows) or any(k < 1 for k in sizes):
+            raise ValueError(f"multi-hot sizes {list(sizes)}: one per table (of {len(rows)}), each >= 1")
+        self.source, self.sizes, self.rows = source, list(sizes), list(rows)
+        self.num_rows = source.num_rows
+
+    def read(self, start: int, count: int) -> Arrays:
+        a = self.source.read(start, count)
+        bags = []
+        for t, (k, n) in enumerate(zip(self.sizes, self.rows, strict=True)):
+            ids = a.sparse[:, t].astype(np.int64)
+            if k == 1:
+                bags.append(ids[:, None])
+                continue
+            extra = (hash_uniform(40_009 + t, ids, k - 1).astype(np.float64) * n).astype(np.int64)
+            bags.append(np.concatenate([ids[:, None], np.minimum(extra, n - 1)], axis=1))
+        return Arrays(dense=a.dense, sparse=a.sparse, labels=a.labels, bags=bags)
 
 
 class BinarySource:
@@ -70,16 +98,25 @@ def rank_slice(global_batch_size: int, world_size: int, rank: int) -> tuple[int,
     return rank * per, (rank + 1) * per
 
 
-def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray, keys: Sequence[str] = SPARSE_NAMES) -> Batch:
-    """Arrays -> torchrec ``Batch``; one id per sample and feature (Criteo), keys in ``keys`` order."""
+def make_batch(
+    dense: np.ndarray,
+    sparse: np.ndarray,
+    labels: np.ndarray,
+    keys: Sequence[str] = SPARSE_NAMES,
+    bags: list[np.ndarray] | None = None,
+) -> Batch:
+    """Arrays -> torchrec ``Batch``; one id per sample and feature (Criteo), keys in ``keys`` order,
+    or with ``bags`` (multi-hot) each feature's bags of ids."""
     n, f = sparse.shape
     if len(keys) != f:
         raise ValueError(f"{len(keys)} feature keys for {f} sparse columns")
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(keys),
-        values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),  # key-major
-        lengths=torch.ones(n * f, dtype=torch.int32),
-    )
+    if bags is None:
+        values = torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1))  # key-major
+        lengths = torch.ones(n * f, dtype=torch.int32)
+    else:
+        values = torch.from_numpy(np.concatenate([b.reshape(-1) for b in bags]))
+        lengths = torch.from_numpy(np.concatenate([np.full(n, b.shape[1], np.int32) for b in bags]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=values, lengths=lengths)
     return Batch(
         dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
         sparse_features=kjt,
@@ -146,7 +183,7 @@ class BatchReader:
         else:
             start = position
         arr = self.source.read(start + self.lo, self.hi - self.lo)
-        return make_batch(arr.dense, arr.sparse, arr.labels)
+        return make_batch(arr.dense, arr.sparse, arr.labels, bags=arr.bags)
 
     def _take_ahead(self, position: int) -> Batch | None | bool:
         """The read-ahead batch if it is for ``position`` (False if not); waits for it either way."""

@@ -99,6 +99,7 @@ class Samples:
     labels: np.ndarray  # [n] int32
     raw_dense: np.ndarray  # [n, 13] int64, before the log (for writing TSV)
     probs: np.ndarray  # [n] float64, the teacher's click probability
+    bags: None = None  # one id per feature (``data.batches.MultiHot`` makes bags)
 
 
 class SyntheticSource:

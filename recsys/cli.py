@@ -18,11 +18,19 @@ from embeddings.errors import EmbeddingStoreError
 from embeddings.launcher import LauncherError
 from recovery import layout
 from recovery.errors import RecoveryError
-from recsys.config import ConfigError, RunConfig
+from recsys.config import PRESETS, ConfigError, RunConfig
 from recsys.errors import TrainerFailed, one_line, report_error
 from recsys.rundir import RESUME_MAY_CHANGE
 
 KNOWN_ERRORS = (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError)
+
+
+def int_list(text: str) -> list[int]:
+    """``3,2,1`` -> [3, 2, 1]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+int_list.__name__ = "comma-separated list of ints"
 
 # flag -> (section, field, type, help)
 FLAGS: dict[str, tuple[str, str, type, str]] = {
@@ -33,6 +41,21 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "synthetic | criteo-kaggle:PATH (train.txt[.gz] or a preprocessed dir) | criteo-terabyte:DIR",
     ),
     "--rows-per-table": ("data", "rows_per_table", int, "rows of each of the 26 embedding tables"),
+    "--table-rows": (
+        "data",
+        "table_rows",
+        int_list,
+        "comma-separated rows of each of the 26 tables (overrides --rows-per-table)",
+    ),
+    "--multi-hot": (
+        "data",
+        "multi_hot",
+        int_list,
+        "comma-separated ids per bag of each of the 26 features (MLPerf DLRM-v2's multi-hot), or one for all",
+    ),
+    "--model": ("model", "model", str, "dlrm (dot interactions) | dcn (torchrec's DLRM_DCN: DCN-v2 low-rank crosses)"),
+    "--dcn-layers": ("model", "dcn_layers", int, "dcn: cross layers"),
+    "--dcn-low-rank": ("model", "dcn_low_rank", int, "dcn: rank of each cross layer's weight"),
     "--zipf": ("data", "zipf", float, "synthetic: Zipf exponent of the categorical ids (> 1; 0: uniform ids)"),
     "--teacher": ("data", "teacher", str, "synthetic: label model, logistic | dot"),
     "--eval-samples": ("data", "eval_samples", int, "held-out samples per evaluation"),
@@ -178,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         value = defaults[section][field]
         shown = f"; default: {value}" if value not in ("", None) else ""
         tr.add_argument(flag, type=str, default=None, help=f"{help_} ({typ.__name__}{shown})")
+    tr.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="mlperf-v2: MLPerf DLRM-v2's 26 table shapes (rows over 200) and multi-hot sizes, DCN-v2 "
+        "(--model dcn), dims scaled to one machine; flags given with it override it",
+    )
     tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows")
     tr.add_argument(
         "--inject",
@@ -271,6 +301,11 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     else:
         cfg = RunConfig.from_toml(args.config) if args.config else RunConfig()
     sections = cfg.to_dict()
+    if args.preset:
+        if args.resume:
+            raise ConfigError(f"--preset {args.preset}: a resumed run's config is its own ({args.resume}/config.toml)")
+        for section, values in PRESETS[args.preset].items():
+            sections[section].update(values)
     for flag, (section, field, typ, _) in FLAGS.items():
         raw = getattr(args, flag[2:].replace("-", "_"))
         if raw is None:

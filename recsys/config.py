@@ -16,6 +16,8 @@ from typing import Any, Literal
 from embeddings.cluster import seed_urls
 from recovery import layout
 
+NUM_TABLES = 26  # Criteo's categorical features, one table each
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and the value."""
@@ -32,6 +34,11 @@ class DataConfig:
     """``synthetic``, ``criteo-kaggle:PATH`` (preprocessed dir or train.txt) or ``criteo-terabyte:DIR``."""
     rows_per_table: int = 100_000
     """Rows of each of the 26 tables (categorical values are taken mod this)."""
+    table_rows: list[int] = field(default_factory=list)
+    """Rows of each table, 26 values (overrides rows_per_table); empty: rows_per_table each."""
+    multi_hot: list[int] = field(default_factory=list)
+    """Ids per bag of each feature, 26 values (``data.batches.MultiHot``, as MLPerf DLRM-v2 makes
+    Criteo multi-hot), or one value for every feature; empty: one id per feature."""
     zipf: float = 1.2
     """Synthetic only: Zipf exponent of the categorical ids (> 1); 0: uniform ids (a cache's worst case)."""
     teacher: Literal["logistic", "dot"] = "dot"
@@ -51,9 +58,27 @@ class DataConfig:
             _check(bool(self.path), "data", self.data, "needs a path after the colon")
             _check(Path(self.path).exists(), "data", self.data, f"path {self.path!r} does not exist")
         _check(self.rows_per_table > 0, "rows_per_table", self.rows_per_table, "must be > 0")
+        _check(len(self.table_rows) in (0, NUM_TABLES), "table_rows", self.table_rows, f"needs {NUM_TABLES} values")
+        _check(all(n > 0 for n in self.table_rows), "table_rows", self.table_rows, "must all be > 0")
+        _check(
+            len(self.multi_hot) in (0, 1, NUM_TABLES), "multi_hot", self.multi_hot, f"needs 1 or {NUM_TABLES} values"
+        )
+        _check(all(k > 0 for k in self.multi_hot), "multi_hot", self.multi_hot, "must all be > 0")
         _check(self.zipf > 1.0 or self.zipf == 0, "zipf", self.zipf, "must be > 1, or 0 for uniform ids")
         _check(self.teacher in ("logistic", "dot"), "teacher", self.teacher, "must be logistic or dot")
         _check(self.eval_samples > 0, "eval_samples", self.eval_samples, "must be > 0")
+
+    @property
+    def rows(self) -> list[int]:
+        """Rows of each of the 26 tables."""
+        return list(self.table_rows) or [self.rows_per_table] * NUM_TABLES
+
+    @property
+    def bag_sizes(self) -> list[int] | None:
+        """Ids per bag of each feature (multi-hot), or None (one id each)."""
+        if not self.multi_hot:
+            return None
+        return list(self.multi_hot) * NUM_TABLES if len(self.multi_hot) == 1 else list(self.multi_hot)
 
     @property
     def kind(self) -> str:
@@ -64,10 +89,41 @@ class DataConfig:
         return self.data.split(":", 1)[1] if ":" in self.data else ""
 
 
+# MLPerf DLRM-v2 (Criteo 1TB, multi-hot), scaled to one small machine: its 26 tables' rows over 200
+# (at least 1,000 rows, or the table's own where smaller), its multi-hot sizes, DCN-v2 with dims and
+# layers scaled down (``--preset mlperf-v2``; flags given with it override it)
+MLPERF_V2_ROWS = [40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956, 405_282, 10]
+MLPERF_V2_ROWS += [2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152, 12_973, 108, 36]
+MLPERF_V2_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+PRESETS = {
+    "mlperf-v2": {
+        "data": {
+            "table_rows": [max(min(n, 1000), n // 200) for n in MLPERF_V2_ROWS],
+            "multi_hot": MLPERF_V2_MULTI_HOT,
+        },
+        "model": {
+            "model": "dcn",
+            "embedding_dim": 16,  # 32 with these multi-hot sums stalls at chance on the synthetic teacher
+            "dense_arch": [128, 64],
+            "over_arch": [256, 128, 64],
+            "dcn_layers": 3,
+            "dcn_low_rank": 32,
+        },
+    }
+}
+
+
 @dataclass
 class ModelConfig:
+    model: Literal["dlrm", "dcn"] = "dlrm"
+    """``dlrm``: torchrec's DLRM (dot interactions); ``dcn``: torchrec's DLRM_DCN (DCN-v2 interaction,
+    low-rank crosses, as MLPerf DLRM-v2)."""
     embedding_dim: int = 16
     """Dim of every embedding table (DLRM's interaction needs one dim)."""
+    dcn_layers: int = 3
+    """dcn: cross layers."""
+    dcn_low_rank: int = 64
+    """dcn: rank of each cross layer's low-rank weight."""
     dense_arch: list[int] = field(default_factory=lambda: [64])
     """Hidden sizes of the bottom MLP; a final layer of embedding_dim is appended."""
     over_arch: list[int] = field(default_factory=lambda: [64, 32])
@@ -75,6 +131,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.embedding_dim > 0, "embedding_dim", self.embedding_dim, "must be > 0")
+        _check(self.model in ("dlrm", "dcn"), "model", self.model, "must be dlrm or dcn")
+        _check(self.dcn_layers > 0, "dcn_layers", self.dcn_layers, "must be > 0")
+        _check(self.dcn_low_rank > 0, "dcn_low_rank", self.dcn_low_rank, "must be > 0")
         _check(all(h > 0 for h in self.dense_arch), "dense_arch", self.dense_arch, "sizes must be > 0")
         _check(all(h > 0 for h in self.over_arch), "over_arch", self.over_arch, "sizes must be > 0")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.batches import BinarySource, ConcatSource, Source
+from data.batches import BinarySource, ConcatSource, MultiHot, Source
 from data.criteo import NUM_SPARSE, TERABYTE_DAYS, BinaryCriteo, kaggle_split, last_day_split, preprocess
 from data.errors import DataError
 from data.synthetic import SyntheticConfig, SyntheticSource, teacher_auc
@@ -20,8 +20,11 @@ class Sources:
 
 
 def synthetic_config(cfg: RunConfig) -> SyntheticConfig:
-    return SyntheticConfig.uniform(
-        cfg.data.rows_per_table, zipf=cfg.data.zipf, seed=cfg.train.seed, teacher=cfg.data.teacher
+    return SyntheticConfig(
+        rows_per_table=tuple(cfg.data.rows),
+        zipf=(cfg.data.zipf,) * NUM_SPARSE,
+        seed=cfg.train.seed,
+        teacher=cfg.data.teacher,
     )
 
 
@@ -44,8 +47,18 @@ def prepare(cfg: RunConfig, progress: bool = True) -> None:
 
 
 def sources(cfg: RunConfig) -> Sources:
+    """The run's train and eval sources; with ``multi_hot``, their ids made into bags (``MultiHot``)."""
+    out = _sources(cfg)
+    sizes = cfg.data.bag_sizes
+    if sizes is None:
+        return out
+    rows = cfg.data.rows
+    return Sources(MultiHot(out.train, sizes, rows), MultiHot(out.eval, sizes, rows), out.ceiling_auc)
+
+
+def _sources(cfg: RunConfig) -> Sources:
     kind, path = cfg.data.kind, Path(cfg.data.path)
-    mod = [cfg.data.rows_per_table] * NUM_SPARSE
+    mod = cfg.data.rows
     if kind == "synthetic":
         syn = synthetic_config(cfg)
         return Sources(

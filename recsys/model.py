@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torchrec
-from torchrec.models.dlrm import DLRM, InteractionArch
+from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
@@ -21,10 +21,10 @@ def table_configs(cfg: RunConfig) -> list[EmbeddingBagConfig]:
         EmbeddingBagConfig(
             name=f"t_{name}",
             embedding_dim=cfg.model.embedding_dim,
-            num_embeddings=cfg.data.rows_per_table,
+            num_embeddings=rows,
             feature_names=[name],
         )
-        for name in SPARSE_NAMES[:NUM_SPARSE]
+        for name, rows in zip(SPARSE_NAMES[:NUM_SPARSE], cfg.data.rows, strict=True)
     ]
 
 
@@ -58,8 +58,18 @@ class PairInteraction(InteractionArch):
 
 def build_dlrm(cfg: RunConfig, ebc, stock: bool = False) -> DLRM:
     """DLRM over ``ebc``; dense init from ``cfg.train.seed`` so every backend starts the same.
-    ``stock``: torchrec's own interaction (``PairInteraction`` computes the same)."""
+    ``stock``: torchrec's own interaction (``PairInteraction`` computes the same). ``--model dcn``:
+    torchrec's ``DLRM_DCN`` (DCN-v2 crosses of low rank ``dcn_low_rank``, as MLPerf DLRM-v2)."""
     torch.manual_seed(cfg.train.seed)
+    if cfg.model.model == "dcn":
+        return DLRM_DCN(
+            embedding_bag_collection=ebc,
+            dense_in_features=NUM_DENSE,
+            dense_arch_layer_sizes=[*cfg.model.dense_arch, cfg.model.embedding_dim],
+            over_arch_layer_sizes=[*cfg.model.over_arch, 1],
+            dcn_num_layers=cfg.model.dcn_layers,
+            dcn_low_rank_dim=cfg.model.dcn_low_rank,
+        )
     model = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=NUM_DENSE,
@@ -81,7 +91,7 @@ def local_model(cfg: RunConfig) -> tuple[DLRM, FusedEmbeddingBagCollection]:
     fused into backward), started from the store's lazy init: the engine a torchrec user would pick."""
     configs = table_configs(cfg)
     if cfg.optim.optimizer == "sgd":
-        kind, kwargs = torchrec.optim.SGD, {"lr": cfg.optim.lr}
+        kind, kwargs = torch.optim.SGD, {"lr": cfg.optim.lr}  # torchrec.optim.SGD is refused by the fused engine
     else:
         kind, kwargs = torchrec.optim.RowWiseAdagrad, {"lr": cfg.optim.lr, "eps": cfg.optim.eps}
     ebc = FusedEmbeddingBagCollection(

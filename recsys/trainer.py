@@ -68,7 +68,7 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
         with torch.no_grad(), backend.evaluating():
             for lo in range(0, n, EVAL_BATCH):
                 a = source.read(lo, min(EVAL_BATCH, n - lo))
-                b = make_batch(a.dense, a.sparse, a.labels)
+                b = make_batch(a.dense, a.sparse, a.labels, bags=a.bags)
                 logits.append(model(b.dense_features, b.sparse_features).squeeze(1).numpy())
                 labels.append(b.labels.numpy())
     finally:  # a shard failure mid-evaluation must not leave the model in eval mode

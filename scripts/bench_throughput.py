@@ -122,7 +122,7 @@ def fused_samples_per_s(args, rows=None, dim=None, stock=False) -> float:
     from recsys.model import build_dlrm, dense_optimizer, dense_params, table_configs
 
     cfg = config(args, Path("unused"), "local", 1, False, 1, rows, dim)
-    kind = torchrec.optim.RowWiseAdagrad if cfg.optim.optimizer == "adagrad" else torchrec.optim.SGD
+    kind = torchrec.optim.RowWiseAdagrad if cfg.optim.optimizer == "adagrad" else torch.optim.SGD
     kwargs = {"lr": cfg.optim.lr, "eps": cfg.optim.eps} if cfg.optim.optimizer == "adagrad" else {"lr": cfg.optim.lr}
     ebc = FusedEmbeddingBagCollection(
         tables=table_configs(cfg), optimizer_type=kind, optimizer_kwargs=kwargs, device=torch.device("cpu")
