@@ -268,9 +268,20 @@ def baseline_one(tmp_path_factory) -> dict:
         ("--recovery", "log", "--checkpoint-every", "10", "--inject", "shard:1@step=25"),
         ("--recovery", "full", "--checkpoint-every", "10", "--inject", "shard:2@step=27"),
         ("--max-restarts", "2", "--inject", "trainer:0@step=22"),
-        # 1 MB holds 14 of the 26 tables: each stage reads the others from the shards, behind the
-        # write in flight, and sees the kill there; the killed shard's log already holds that write
-        ("--held-rows-mb", "1", "--recovery", "log", "--checkpoint-every", "10", "--inject", "shard:1@step=25"),
+        # a 1 MB row cache holds a quarter of the rows and no prefetch reads the next batch ahead:
+        # each stage reads the rest from the shards, behind the write in flight, and sees the kill
+        # there; the killed shard's log already holds that write
+        (
+            "--held-rows-mb",
+            "1",
+            "--no-prefetch",
+            "--recovery",
+            "log",
+            "--checkpoint-every",
+            "10",
+            "--inject",
+            "shard:1@step=25",
+        ),
     ],
     ids=["write-through", "log", "full", "trainer-kill", "log-seen-in-stage"],
 )
