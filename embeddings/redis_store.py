@@ -539,7 +539,16 @@ class RedisStore(StoreBase):
             rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
             return rows
 
-        self.held = HeldRows(self.tables, widths, shards, budget_bytes, owner_of=self.shard_map.shard_of, init=init)
+        self.held = HeldRows(
+            self.tables,
+            widths,
+            shards,
+            budget_bytes,
+            owner_of=self.shard_map.shard_of,
+            init=init,
+            owner_of_keys=self.shard_map.shard_of_keys,
+            num_shards=self.num_shards,
+        )
         return self.held
 
     def assume_fresh(self) -> None:
