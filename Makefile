@@ -1,6 +1,10 @@
 # The two commands a new user needs: `make train` and `make test`. Each sets itself up.
 PY := .venv/bin/python
 TRAIN_ARGS ?=
+# the suite on 2 workers (pytest-xdist), a test file at a time, the longest files first
+# (tests/conftest.py); JOBS=0 runs it in this process
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: setup train test test-fast lint bench-store bench-data bench-throughput clean
 
@@ -14,14 +18,14 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 # unit and single-server tests (about a minute and a half here): before every commit
 test-fast: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -m "unit or redis"
+	$(PY) -m pytest -q $(XDIST) -m "unit or redis"
 
 lint: setup
 	$(PY) -m ruff check --fix .

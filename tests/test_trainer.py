@@ -38,8 +38,10 @@ def test_two_trainers_three_shards_equal_local_torchrec_with_the_global_batch(tm
     dist_cfg = small_config(tmp_path / "dist")
     local_cfg = small_config(tmp_path / "local", trainers=1)
     local_cfg.embeddings.embeddings = "local"
-    s_dist = run(dist_cfg)
+    # the local run first: its tensor ops make this process spawn the trainers of the other (the path of
+    # recsys.train called after torch has run; the suite's other in-process runs fork theirs)
     s_local = run(RunConfig.from_dict(local_cfg.to_dict()))
+    s_dist = run(dist_cfg)
     assert s_dist["steps_completed"] == s_local["steps_completed"] == 30
     a = torch.load(tmp_path / "dist" / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "local" / "final_model.pt", weights_only=True)
