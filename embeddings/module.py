@@ -122,12 +122,13 @@ class TableLocation(nn.Module):
     (``ValueError``); one that names another store or namespace warns that the rows stay where they
     are."""
 
-    def __init__(self, entry: dict) -> None:
+    def __init__(self, entry: dict, steps: list[int] | None = None) -> None:
         super().__init__()
         self.entry = entry
+        self.steps = steps if steps is not None else [0]  # the module's optimizer step, shared by its tables
 
     def get_extra_state(self) -> dict:
-        return dict(self.entry)
+        return {**self.entry, "optimizer_step": self.steps[0]}
 
     def set_extra_state(self, state) -> None:
         name = self.entry["table"]
@@ -138,6 +139,7 @@ class TableLocation(nn.Module):
                 f"table {name!r}: the state_dict's entry {got} is not this table "
                 f"({ {k: self.entry[k] for k in shape} }); its rows live on a store, not in the state_dict"
             )
+        self.steps[0] = int(state.get("optimizer_step", self.steps[0]))
         where = ("store", "namespace")
         if any(state.get(k) != self.entry[k] for k in where):
             warnings.warn(
@@ -259,8 +261,11 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fast = len(self._groups) == 1 and self._groups[0].fused
         self._mode = modes[0] if self._fast else None
         # where each table's rows are, as its state_dict entry (the rows themselves are not in it)
-        self.embedding_bags = nn.ModuleDict(
-            {c.name: TableLocation(self._location(c, store)) for c in tables}  # torchrec's attribute name
+        # optimizer steps applied (``apply_gradients`` calls): Adam's bias correction counts them; in
+        # every table's state_dict entry, and put back by a load
+        self._steps = [0]
+        self.embedding_bags = nn.ModuleDict(  # torchrec's attribute name
+            {c.name: TableLocation(self._location(c, store), self._steps) for c in tables}
         )
         # per forward with grad: (dim, packed keys [U], leaves of their rows in key order: one for
         # every table of a dim, or with several features on a table one per table, each feature
@@ -637,10 +642,16 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def apply_gradients(self) -> None:
         """Send this step's per-row gradients to the store's optimizer (one write per embedding dim),
         then forget them."""
+        self._steps[0] += 1  # a step, with or without a gradient (as torch's optimizers count one)
         for keys, grads in self.pop_key_grads_by_dim().values():
             keys, grads = sum_by_key(keys, grads)
             if len(keys):
-                self.store.apply_keys(keys, grads)
+                self.store.apply_keys(keys, grads, t=self._steps[0])
+
+    @property
+    def optimizer_step(self) -> int:
+        """Optimizer steps applied so far (``apply_gradients`` calls; ``Adam``'s ``t`` is the next)."""
+        return self._steps[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pending = []

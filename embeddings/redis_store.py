@@ -1,7 +1,7 @@
 """The Redis-backed store: rows sharded over several ``redis-server`` processes.
 
 Layout: one Redis string per row, key ``{namespace}:{table_index}:`` followed by the row id as
-8 bytes big-endian, value the row's ``[dim + state_width]`` little-endian float32 bytes (fixed
+8 bytes big-endian, value the row's ``[dim + state]`` little-endian float32 bytes (fixed
 width per table). Bulk reads and writes go through ``embeddings.wire`` (numpy-encoded pipelined
 MGET/MSET); reads of several shards run in parallel from a thread pool (socket I/O releases the
 GIL), a step's writes are sent to every shard before any reply is read (``write_step``).
@@ -531,11 +531,11 @@ class RedisStore(StoreBase):
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
         """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
         widths = [self.width(t) for t in range(len(self.tables.specs))]
-        state = self.optimizer.state_width
 
         def init(keys: np.ndarray) -> np.ndarray:  # held tables share one row width, hence one dim
-            dim = self.width(int(keys[0] >> rowkeys.ROW_BITS)) - state
-            rows = np.zeros((len(keys), dim + state), np.float32)
+            t = int(keys[0] >> rowkeys.ROW_BITS)
+            dim = self.tables.specs[t].dim
+            rows = np.zeros((len(keys), self.width(t)), np.float32)
             rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
             return rows
 

@@ -1,6 +1,6 @@
 """The store Protocol and the in-process reference store.
 
-Every store holds rows of ``[dim + optimizer.state_width]`` float32 per table. Reads of rows
+Every store holds rows of ``[dim + state_of(optimizer, dim)]`` float32 per table. Reads of rows
 that were never written return the deterministic lazy init (``embeddings.rowinit``). Updates
 are applied by the store (single writer per shard): read current rows with their optimizer
 state, apply the optimizer, write back.
@@ -16,7 +16,7 @@ import torch
 
 from embeddings import rowkeys
 from embeddings.errors import DimMismatchError, RowRangeError
-from embeddings.optim import RowOptimizer
+from embeddings.optim import RowOptimizer, state_of
 from embeddings.rowinit import init_rows
 from embeddings.tables import TableSet
 
@@ -101,7 +101,8 @@ class StoreBase:
 
     # -- helpers ---------------------------------------------------------------------------
     def width(self, table_index: int) -> int:
-        return self.tables.specs[table_index].dim + self.optimizer.state_width
+        dim = self.tables.specs[table_index].dim
+        return dim + state_of(self.optimizer, dim)
 
     def _ids(self, table: str, ids) -> tuple[int, np.ndarray]:
         t = self.tables.index(table)
@@ -150,12 +151,13 @@ class StoreBase:
         rows = self._fetch_filled(checked)
         return {name: rows[self.tables.index(name)][:, : self.tables.spec(name).dim] for name in requests}
 
-    def update(self, table: str, ids, grads) -> None:
-        self.update_many({table: (ids, grads)})
+    def update(self, table: str, ids, grads, t: int | None = None) -> None:
+        self.update_many({table: (ids, grads)}, t)
 
-    def update_many(self, requests) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Apply the optimizer; returns table -> (unique ids, new rows [n, dim + state]). (A training
-        step's write, with its applied marker and undo record, is ``apply_keys(..., step)``.)"""
+    def update_many(self, requests, t: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Apply the optimizer (``t``: its step, for ``Adam``); returns table -> (unique ids, new rows
+        [n, dim + state]). (A training step's write, with its applied marker and undo record, is
+        ``apply_keys(..., step)``.)"""
         uniq: IdsByTable = {}
         summed: dict[int, torch.Tensor] = {}
         for name, (ids, grads) in requests.items():
@@ -172,7 +174,7 @@ class StoreBase:
                 u, acc = arr, torch.from_numpy(g)
             uniq[t], summed[t] = u, acc
         current = self._fetch_filled(uniq)
-        new = {t: (uniq[t], self.optimizer.apply(torch.from_numpy(current[t]), summed[t]).numpy()) for t in uniq}
+        new = {i: (uniq[i], self.optimizer.apply(torch.from_numpy(current[i]), summed[i], t).numpy()) for i in uniq}
         self._store(new)
         return {self.tables.specs[t].name: v for t, v in new.items()}
 
@@ -190,12 +192,17 @@ class StoreBase:
         dim = self.tables.specs[int(keys[0] >> rowkeys.ROW_BITS)].dim if len(keys) else 0
         return rows[:, :dim]
 
-    def apply_keys(self, keys: np.ndarray, grads: torch.Tensor, step: int | None = None) -> np.ndarray:
+    def apply_keys(
+        self, keys: np.ndarray, grads: torch.Tensor, step: int | None = None, t: int | None = None
+    ) -> np.ndarray:
         """The optimizer on sorted unique packed keys with ``grads`` [n, dim], in one pass over every
         table: -> the new rows [n, width], as written. With ``step``, the write also records that
-        step as applied and keeps the rows' previous values for a rollback of that one step."""
+        step as applied and keeps the rows' previous values for a rollback of that one step. ``t``:
+        the optimizer step (1 on the first; ``step`` when not given: a run's steps count from 1), for
+        ``Adam``'s bias correction."""
         current = self.read_keys(keys)
-        new = self.optimizer.apply(torch.from_numpy(current), grads).numpy()
+        t = step if t is None else t
+        new = self.optimizer.apply(torch.from_numpy(current), grads, t).numpy()
         self._store_keys(keys, new, step=step, undo=current if step is not None else None)
         return new
 

@@ -121,7 +121,7 @@ class SparseWriter:
                 durable()
             self._apply_by_shard(keys, grads, shards, step)
             return
-        new = self.store.optimizer.apply(torch.from_numpy(current), grads).numpy()
+        new = self.store.optimizer.apply(torch.from_numpy(current), grads, step).numpy()  # t: steps count from 1
         if behind:
             self._hand_behind(owned, step, keys, current, new, shards, durable)
             return

@@ -38,8 +38,9 @@ says where it can no longer allocate its tables (needed beside available memory)
 
 ``--cache-sweep 100,25,10,2``: only the row cache sweep: each budget (percent of the tables' bytes)
 against the tier's samples/s, hit rate and peak RSS (each run its own ``recsys train`` process,
-synthetic data generated in the step), Zipf and uniform ids, budget 0 for the RSS without a cache,
-and torchrec's fused engine beside them.
+synthetic data generated in the step), Zipf and uniform ids; first a budget that holds every row
+(the reference of the ratios), last budget 0 for the RSS without a cache; torchrec's fused engine
+beside them.
 
     python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2] [--pairs 5]
     python scripts/bench_throughput.py --cache-sweep 100,25,10,2 --rows-per-table 2000000
@@ -223,13 +224,24 @@ def cache_sweep(args, tmp: Path) -> list[dict]:
     table_mb = 26 * rows * (dim + 1) * 4 / 2**20
     out = []
     for zipf in (1.2, 0):
-        for pct in [float(x) for x in args.cache_sweep.split(",")] + [0.0]:
-            mb = table_mb * pct / 100
-            s = cache_run(args, tmp / f"cache-{zipf}-{pct}", rows, mb, zipf)
+        budgets = [("every row", every_row_mb(rows, dim))]
+        budgets += [(f"{float(x):g}%", table_mb * float(x) / 100) for x in args.cache_sweep.split(",")]
+        for label, mb in budgets + [("0 (no cache)", 0.0)]:
+            s = cache_run(args, tmp / f"cache-{zipf}-{mb:.0f}", rows, mb, zipf)
             c = s.get("row_cache") or {}
             hit = c["hits"] / c["lookups"] if c.get("lookups") else None
-            out.append({"zipf": zipf, "pct": pct, "mb": mb, "tput": tput(s), "hit": hit, "rss": s["max_rss_mb"], **c})
+            out.append(
+                {"zipf": zipf, "label": label, "mb": mb, "tput": tput(s), "hit": hit, "rss": s["max_rss_mb"], **c}
+            )
     return out
+
+
+def every_row_mb(rows: int, dim: int) -> float:
+    """A budget that holds every row of the 26 tables (a slot per row, no eviction): the rows' bytes
+    and each slot's bookkeeping (``embeddings.held.SLOT_OVERHEAD``)."""
+    from embeddings.held import SLOT_OVERHEAD
+
+    return 26 * rows * ((dim + 1) * 4 + SLOT_OVERHEAD) / 2**20 * 1.001
 
 
 def main() -> None:
@@ -277,17 +289,22 @@ def main() -> None:
             fused = fused_samples_per_s(args)
         print(f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim}")
         print(f"({table_mb:,.0f} MB of rows and row-wise state); torchrec fused EBC: {fused:,.0f} samples/s\n")
-        print("| ids | cache budget | MB | samples/s | x own 100% | x fused | hit rate | evicted rows | peak RSS MB |")
-        print("|---" * 9 + "|")
+        print("(budgets in percent of those bytes; a slot also costs its bookkeeping, so 100% holds fewer rows")
+        print("than every row; 'every row': a slot for each; RSS over: peak RSS - budget - the no-cache run's RSS)\n")
+        head = "| ids | cache budget | MB | samples/s | x every row | x fused | hit rate | evicted rows | peak RSS MB |"
+        print(head + " RSS over MB |")
+        print("|---" * 10 + "|")
         for zipf in (1.2, 0):
             rs = [r for r in got if r["zipf"] == zipf]
-            full = next((r["tput"] for r in rs if r["pct"] == 100), None)
+            full = rs[0]["tput"]
+            base = next(r["rss"] for r in rs if r["mb"] == 0)
             for r in rs:
-                own = f"{r['tput'] / full:.2f}x" if full else ""
                 hit = f"{r['hit']:.3f}" if r["hit"] is not None else "-"
+                over = r["rss"] - r["mb"] - base
                 print(
-                    f"| {'Zipf 1.2' if zipf else 'uniform'} | {r['pct']:g}% | {r['mb']:,.1f} | {r['tput']:,.0f} | "
-                    f"{own} | {r['tput'] / fused:.2f}x | {hit} | {r.get('evicted', 0):,} | {r['rss']:,.0f} |"
+                    f"| {'Zipf 1.2' if zipf else 'uniform'} | {r['label']} | {r['mb']:,.1f} | {r['tput']:,.0f} | "
+                    f"{r['tput'] / full:.2f}x | {r['tput'] / fused:.2f}x | {hit} | {r.get('evicted', 0):,} | "
+                    f"{r['rss']:,.0f} | {over:,.0f} |"
                 )
         return
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -1,7 +1,7 @@
 """The equivalence suite of ``test_ebc_equivalence.py`` on the Redis tier (``LocalShards`` +
 ``RedisStore``): tables of several widths stored as they are (no padding to the widest), mixed
 pooling, weighted and shared features, a variable batch per feature, and empty batches, against
-torchrec's ``EmbeddingBagCollection`` with SGD and row-wise Adagrad, within 1e-5."""
+torchrec's ``EmbeddingBagCollection`` with SGD, row-wise and element-wise Adagrad and Adam, within 1e-5."""
 
 from __future__ import annotations
 
@@ -9,25 +9,26 @@ import numpy as np
 import pytest
 import torch
 
-from embeddings import SGD, RedisStore, RowWiseAdagrad, TableSet
+from embeddings import RedisStore, TableSet, state_of
 from embeddings.module import StoreEmbeddingBagCollection
 from tests.test_ebc_equivalence import (
     CASES,
+    KINDS,
     LR,
     empty_kinds,
     make_batch,
     projection,
     reference,
+    row_optimizer,
     run_equivalence,
 )
 
 
 def redis_store(shards, namespace: str, configs, kind: str) -> RedisStore:
-    opt = SGD(lr=LR[kind]) if kind == "sgd" else RowWiseAdagrad(lr=LR[kind])
-    return RedisStore(shards.urls, TableSet.from_torchrec(configs), opt, namespace=namespace, seed=11)
+    return RedisStore(shards.urls, TableSet.from_torchrec(configs), row_optimizer(kind), namespace=namespace, seed=11)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", ["dlrm", "dims", "mixed", "weighted"])
 def test_matches_torchrec_ebc_on_redis(shards3, namespace, case, kind):
     make, weighted, single = CASES[case]
@@ -36,8 +37,9 @@ def test_matches_torchrec_ebc_on_redis(shards3, namespace, case, kind):
     try:
         run_equivalence(store, configs, weighted, single, kind)
         # every table's rows at its own width: [dim + state] float32 each, as read back
-        state = 0 if kind == "sgd" else 1
         for c in configs:
+            state = {"sgd": 0, "adagrad": 1, "adagrad-exact": c.embedding_dim, "adam": 2 * c.embedding_dim}[kind]
+            assert state_of(store.optimizer, c.embedding_dim) == state
             assert store.read_rows(c.name, np.arange(3)).shape == (3, c.embedding_dim + state)
         assert store.clear() > 0  # rows were written to the shards
     finally:
