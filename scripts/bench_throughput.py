@@ -32,9 +32,13 @@ loop) and the tier's goal configuration (1 trainer, 2 shards; writing every step
 faster fused figure) and their medians. On a shared machine
 whose speed moves over minutes, a round's figures see the same machine.
 
-``--sweep 100000,1000000,10000000``: rows per table against samples/s for the tier (1 trainer, 2
-shards) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused engine's row
-says where it can no longer allocate its tables (needed beside available memory).
+``--sweep 100000,1000000,10000000``: only the table-size sweep: rows per table against samples/s
+for the tier (1 trainer, 2 shards, a row cache of ``--sweep-cache-mb``: its own process, its peak
+RSS reported) and the fused engine, at ``--embedding-dim`` and at ``--sweep-dim``; the fused
+engine's row says where it can no longer allocate its tables (needed beside available memory).
+
+``--preset mlperf-v2``: only the tier (1 trainer, 2 shards) against the fused engine inside the
+project's loop under the preset (DCN-v2, multi-hot bags), ``--pairs`` alternating rounds.
 
 ``--cache-sweep 100,25,10,2``: only the row cache sweep: each budget (percent of the tables' bytes)
 against the tier's samples/s, hit rate and peak RSS (each run its own ``recsys train`` process,
@@ -44,12 +48,14 @@ beside them.
 
     python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2] [--pairs 5]
     python scripts/bench_throughput.py --cache-sweep 100,25,10,2 --rows-per-table 2000000
+    python scripts/bench_throughput.py --preset mlperf-v2 --pairs 3
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -177,17 +183,19 @@ def mem_available() -> int:
 
 
 def sweep(args, tmp: Path) -> list[tuple]:
-    """Rows per table against samples/s: the tier flat, the fused engine until it cannot allocate."""
+    """Rows per table against samples/s: the tier (its own ``recsys train`` process, a row cache of
+    ``--sweep-cache-mb``, so its peak RSS is its own) and the fused engine until it cannot allocate."""
     out = []
     for dim in dict.fromkeys([args.embedding_dim, args.sweep_dim]):
         for rows in [int(x) for x in args.sweep.split(",")]:
-            tier = run(config(args, tmp / f"sweep-{rows}-{dim}", "redis", 2, False, 1, rows, dim))
-            k = args.write_every
-            window = (
-                tput(run(config(args, tmp / f"sweep-{rows}-{dim}-w", "redis", 2, False, 1, rows, dim, write_every=k)))
-                if k > 1
-                else None
-            )
+            saved, args.embedding_dim = args.embedding_dim, dim
+            try:
+                tier = cache_run(args, tmp / f"sweep-{rows}-{dim}", rows, args.sweep_cache_mb, 1.2)
+            except subprocess.CalledProcessError as e:
+                last = (e.stderr or "").strip().splitlines()[-1:] or ["?"]
+                tier = {"failed": last[0][:80]}
+            finally:
+                args.embedding_dim = saved
             need = 26 * rows * (dim + 1) * 4  # weights and row-wise state, fp32
             free = mem_available()
             if need > 0.8 * free:
@@ -197,7 +205,7 @@ def sweep(args, tmp: Path) -> list[tuple]:
                     fused = f"{fused_samples_per_s(args, rows, dim):,.0f}"
                 except (RuntimeError, MemoryError) as e:
                     fused = f"cannot allocate: {str(e).splitlines()[0][:60]}"
-            out.append((rows, dim, tput(tier), window, fused, tier["step_ms"]))
+            out.append((rows, dim, tier, fused))
     return out
 
 
@@ -205,7 +213,6 @@ def cache_run(args, out: Path, rows: int, budget_mb: float, zipf: float) -> dict
     """One tier run (1 trainer, 2 shards) with a row cache of ``budget_mb``, as its own process
     (``recsys train``), so that its peak RSS is the trainer's own."""
     import json
-    import subprocess
 
     cmd = [sys.executable, "-m", "recsys", "train", "--trainers", "1", "--shards", "2", "--max-restarts", "0"]
     cmd += ["--rows-per-table", str(rows), "--embedding-dim", str(args.embedding_dim), "--zipf", str(zipf)]
@@ -244,6 +251,59 @@ def every_row_mb(rows: int, dim: int) -> float:
     return 26 * rows * ((dim + 1) * 4 + SLOT_OVERHEAD) / 2**20 * 1.001
 
 
+def preset_config(args, out: Path, embeddings: str) -> RunConfig:
+    """``--preset``'s model, tables and multi-hot sizes (``recsys.config.PRESETS``), synthetic data
+    generated in the step, 1 trainer; ``embeddings``: ``redis`` (2 local shards) or ``local``."""
+    from recsys.config import PRESETS
+
+    sections = RunConfig().to_dict()
+    for section, values in PRESETS[args.preset].items():
+        sections[section].update(values)
+    sections["data"].update(data="synthetic", eval_samples=4096)
+    sections["embeddings"].update(embeddings=embeddings, shards=2)
+    sections["optim"]["optimizer"] = args.optimizer
+    sections["train"].update(
+        steps=args.steps + WARMUP_STEPS,
+        batch_size=args.batch_size,
+        trainers=1,
+        eval_every=0,
+        log_every=args.steps,
+        out=str(out),
+        progress=False,
+    )
+    return RunConfig.from_dict(sections)
+
+
+def preset_rounds(args, tmp: Path) -> None:
+    """The tier (1 trainer, 2 shards) and the fused engine inside the project's loop
+    (``--embeddings local``) under ``--preset``, back to back, alternating which goes first, for
+    ``max(--pairs, 1)`` rounds: samples/s after the warm-up and their ratio per round, and medians."""
+    rounds = max(args.pairs, 1)
+    got: dict[str, list[float]] = {"local": [], "redis": []}
+    parts: dict[str, dict] = {}
+    for i in range(rounds):
+        order = ("local", "redis") if i % 2 == 0 else ("redis", "local")
+        for kind in order:
+            s = run(preset_config(args, tmp / f"preset-{kind}-{i}", kind))
+            got[kind].append(tput(s))
+            parts[kind] = step_parts(s)
+    ratios = [r / f for r, f in zip(got["redis"], got["local"])]
+    print(f"\n--preset {args.preset}: steps={args.steps} batch={args.batch_size} optimizer={args.optimizer}")
+    print("| engine | samples/s per round | median | tier / fused per round | median |")
+    print("|---|---|---|---|---|")
+    fused = ", ".join(f"{x:,.0f}" for x in got["local"])
+    print(f"| torchrec fused EBC (--embeddings local) | {fused} | {np.median(got['local']):,.0f} | | |")
+    tier = ", ".join(f"{x:,.0f}" for x in got["redis"])
+    ratio = ", ".join(f"{x:.2f}" for x in ratios)
+    print(
+        f"| Redis tier, 1 trainer, 2 shards | {tier} | {np.median(got['redis']):,.0f} | {ratio} | {np.median(ratios):.2f}x |"
+    )
+    for kind, p in parts.items():
+        print(
+            f"step ms ({kind}, last round): " + ", ".join(f"{k} {v:.1f}" for k, v in p.items() if isinstance(v, float))
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps per configuration")
@@ -255,6 +315,7 @@ def main() -> None:
     ap.add_argument("--trainers", default="1,2", help="comma-separated trainer counts for the Redis tier")
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
     ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")
+    ap.add_argument("--sweep-cache-mb", type=float, default=512, help="the tier's row cache in the sweep (MB)")
     ap.add_argument(
         "--pairs",
         type=int,
@@ -280,7 +341,36 @@ def main() -> None:
         help="comma-separated row cache budgets in percent of the tables' bytes (e.g. 100,25,10,2): the tier's "
         "samples/s, hit rate and peak RSS at each, Zipf and uniform ids, beside the fused engine (only this)",
     )
+    ap.add_argument(
+        "--preset",
+        default="",
+        choices=["", "mlperf-v2"],
+        help="only this: the tier against the fused engine under a preset (mlperf-v2: DCN-v2, multi-hot bags, "
+        "MLPerf DLRM-v2's table shapes scaled down), --pairs rounds",
+    )
     args = ap.parse_args()
+    if args.preset:
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+        with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
+            preset_rounds(args, Path(tmp))
+        return
+    if args.sweep:
+        with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
+            args.tmp = tmp
+            swept = sweep(args, Path(tmp))
+        print(
+            f"\nsteps={args.steps} batch={args.batch_size}; tier: 1 trainer, 2 local shards, row cache {args.sweep_cache_mb:g} MB"
+        )
+        print("| rows per table | dim | tier samples/s | tier hit rate | tier peak RSS MB | fused engine samples/s |")
+        print("|---" * 6 + "|")
+        for r, d, tier, fused in swept:
+            if "failed" in tier:
+                print(f"| {r:,} | {d} | failed: {tier['failed']} | | | {fused} |")
+                continue
+            c = tier.get("row_cache") or {}
+            hit = f"{c['hits'] / c['lookups']:.3f}" if c.get("lookups") else "-"
+            print(f"| {r:,} | {d} | {tput(tier):,.0f} | {hit} | {tier['max_rss_mb']:,.0f} | {fused} |")
+        return
     if args.cache_sweep:
         with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
             args.tmp = tmp
@@ -366,7 +456,6 @@ def main() -> None:
             1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {}, None)
         )
         rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
-        swept = sweep(args, Path(tmp)) if args.sweep else []
         pairs, threads = [], []
         k = max(1, args.write_every)
         for i in range(args.pairs):
@@ -429,17 +518,6 @@ def main() -> None:
                 f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
                 f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
             )
-    if swept:
-        k = args.write_every
-        print(
-            "\n| rows per table | dim | tier samples/s (1 trainer, 2 shards) | "
-            + (f"tier, --write-every {k} | " if k > 1 else "")
-            + "fused engine samples/s | tier rows_in / rows_out ms |"
-        )
-        print("|---" * (5 + (k > 1)) + "|")
-        for r, d, tier, window, fused, ms in swept:
-            extra = f"{window:,.0f} | " if window is not None else ""
-            print(f"| {r:,} | {d} | {tier:,.0f} | {extra}{fused} | {ms.get('rows_in')} / {ms.get('rows_out')} |")
 
 
 if __name__ == "__main__":
