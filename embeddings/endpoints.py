@@ -188,9 +188,8 @@ ROWS = _needs(
     ("PING",),
     ("GET", "k"),
     ("SET", "k", "v"),
-    ("MGET", "k"),
-    ("MSET", "k", "v"),
-    ("EXISTS", "k"),
+    ("HGET", "k", "f"),
+    ("HSET", "k", "f", "v"),
     ("MULTI",),
     ("EXEC",),
 )
@@ -217,8 +216,8 @@ def commands_needed(
     stalled: Sequence[int] = (),
 ) -> list[tuple[Need, ...]]:
     """Per URL (``num_shards`` servers, then ``num_replicas`` replicas): what a run sends a server it
-    did not start. Every run: rows (``embeddings.wire``: MULTI/EXISTS/MGET/EXEC, MULTI/MSET/SET/EXEC,
-    GET), INFO (``RedisStore.check_evictions``, snapshots). Every strategy but replica: restores of a
+    did not start. Every run: rows (``embeddings.wire``: HGET and PING, HSET, MULTI/HSET/SET/EXEC,
+    GET; ``CONFIG SET`` of the listpack limits is tried but not needed, ``embeddings.buckets``), INFO (``RedisStore.check_evictions``, snapshots). Every strategy but replica: restores of a
     failed shard (``clear_shard``: SCAN, UNLINK, then ``load_snapshot``). Checkpoints (``--checkpoint-every``, any strategy): a snapshot over the
     network (``embeddings.rdb.NetworkSnapshot``: REPLCONF, SYNC). ``--recovery replica``: REPLICAOF NO
     ONE on the replica (a cluster promotes its own), which then serves the shard (rows, checkpoints).

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import redis
 
+from embeddings.buckets import LISTPACK_ENTRIES, LISTPACK_VALUE
 from embeddings.endpoints import one_try
 
 _PR_SET_PDEATHSIG = 1
@@ -123,6 +124,9 @@ def write_shard_config(spec: ShardSpec) -> Path:
         "lua-time-limit 60000",
         "stop-writes-on-bgsave-error no",
         "repl-diskless-sync-delay 0",  # a replica starts its first sync at once
+        # row buckets (embeddings.buckets) stay listpacks, also as loaded from a snapshot
+        f"hash-max-listpack-entries {LISTPACK_ENTRIES}",
+        f"hash-max-listpack-value {LISTPACK_VALUE}",
     ]
     if spec.password:
         lines.append(f"requirepass {spec.password}")

@@ -8,9 +8,12 @@ Without the ``eof`` capability the server answers with a disk-based full sync: i
 pauses for the fork alone, as with a local ``BGSAVE``. ``finish`` streams the file to disk
 (SHA-256 on the way, fsync). No access to the server's filesystem is needed.
 
-``read_strings`` parses an RDB file (version 9-10, Redis 6-7) and yields its string keys with a
-given prefix; other value types are skipped, LZF-compressed strings are decompressed.
-``load_snapshot`` writes one shard's keys back in pipelined transactions.
+``read_keys`` parses an RDB file (version 9-10, Redis 6-7) and yields its keys with a given
+prefix: strings (the bookkeeping keys) and hashes (the row buckets of ``embeddings.buckets``, as a
+listpack or, past the server's listpack limits, as a hash table; a Redis 6 server's ziplist-encoded
+hash is refused with one line); other value types are skipped,
+LZF-compressed strings are decompressed. ``group_rows`` turns a shard's buckets back into rows per
+table; ``RedisStore.load_snapshot`` writes them back over the protocol.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from embeddings.buckets import KEY_ID_BYTES, BucketLayout
 from embeddings.errors import EmbeddingStoreError, ShardDataError, ShardUnavailableError
 
 # a failed write of the snapshot file (not of the socket): the disk's fault, raised as is
@@ -264,8 +268,21 @@ class _Reader:
             self.fail(f"value type {kind} (stream or module) cannot be skipped")
 
 
+_HASH, _HASH_ZIPLIST, _HASH_LISTPACK = 4, 13, 16
+
+Value = bytes | list[tuple[bytes, bytes]]  # a string's bytes, or a hash's (field, value) pairs
+
+
 def read_strings(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     """(key, value) of every string key that starts with ``prefix`` in the RDB file at ``path``."""
+    for key, value in read_keys(path, prefix):
+        if isinstance(value, bytes):
+            yield key, value
+
+
+def read_keys(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, Value]]:
+    """(key, value) of every string and hash key that starts with ``prefix`` in the RDB file at
+    ``path``: a string's bytes, a hash's (field, value) pairs (in the order the server keeps them)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise ShardDataError(f"snapshot {path}: empty file")
@@ -303,12 +320,78 @@ def read_strings(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes
                             value = r.string()
                             if key.startswith(prefix):
                                 yield key, value
+                        elif op == _HASH_LISTPACK and key.startswith(prefix):
+                            yield key, _pairs(listpack_entries(r.string(), r), r, key)
+                        elif op == _HASH and key.startswith(prefix):
+                            n = r.length()[0]
+                            yield key, [(r.string(), r.string()) for _ in range(n)]
+                        elif op == _HASH_ZIPLIST and key.startswith(prefix):
+                            r.fail(f"hash {key!r} is ziplist-encoded (a Redis 6 server): not read here, use Redis 7")
                         else:
                             r.skip_value(op)
                     else:
                         r.fail(f"unknown opcode {op:#x}")
             finally:
                 r.buf.release()
+
+
+def _pairs(entries: list[bytes], r: _Reader, key: bytes) -> list[tuple[bytes, bytes]]:
+    if len(entries) % 2:
+        r.fail(f"hash {key!r}: an odd number of listpack entries ({len(entries)})")
+    return list(zip(entries[0::2], entries[1::2]))
+
+
+def listpack_entries(blob: bytes, r: _Reader | None = None) -> list[bytes]:
+    """The entries of a listpack (Redis 7's compact encoding), integers as their decimal text (as
+    Redis gives them back). ``ShardDataError`` (through ``r``, which names the file) if it is damaged."""
+
+    def fail(why: str):
+        if r is not None:
+            r.fail(f"listpack: {why}")
+        raise ShardDataError(f"listpack: {why}")
+
+    if len(blob) < 7 or struct.unpack_from("<I", blob)[0] != len(blob) or blob[-1] != 0xFF:
+        fail(f"{len(blob)} bytes do not frame a listpack")
+    count = struct.unpack_from("<H", blob, 4)[0]
+    out: list[bytes] = []
+    at, end = 6, len(blob) - 1
+    while at < end:
+        b = blob[at]
+        if b < 0x80:  # 7-bit unsigned integer
+            value, size = str(b).encode(), 1
+        elif b < 0xC0:  # string of up to 63 bytes
+            n = b & 0x3F
+            value, size = blob[at + 1 : at + 1 + n], 1 + n
+        elif b < 0xE0:  # 13-bit signed integer
+            v = ((b & 0x1F) << 8) | blob[at + 1]
+            value, size = str(v - (1 << 13) if v >= 1 << 12 else v).encode(), 2
+        elif b < 0xF0:  # string of up to 4095 bytes
+            n = ((b & 0x0F) << 8) | blob[at + 1]
+            value, size = blob[at + 2 : at + 2 + n], 2 + n
+        elif b == 0xF0:  # 32-bit string length
+            n = struct.unpack_from("<I", blob, at + 1)[0]
+            value, size = blob[at + 5 : at + 5 + n], 5 + n
+        elif b in _LP_INTS:
+            width = _LP_INTS[b]
+            v = int.from_bytes(blob[at + 1 : at + 1 + width], "little", signed=True)
+            value, size = str(v).encode(), 1 + width
+        else:
+            fail(f"unknown entry encoding {b:#x} at byte {at}")
+        at += size + _backlen_size(size)
+        if at > end:
+            fail("an entry runs past the end")
+        out.append(bytes(value))
+    if count != 0xFFFF and count != len(out):
+        fail(f"{len(out)} entries, its header says {count}")
+    return out
+
+
+_LP_INTS = {0xF1: 2, 0xF2: 3, 0xF3: 4, 0xF4: 8}
+
+
+def _backlen_size(n: int) -> int:
+    """Bytes of the back-length of an entry of ``n`` bytes (listpack.c ``lpEncodeBacklen``)."""
+    return 1 if n <= 127 else 2 if n < 16383 else 3 if n < 2097151 else 4 if n < 268435455 else 5
 
 
 def lzf_decompress(data, ulen: int) -> bytes:
@@ -342,21 +425,44 @@ def lzf_decompress(data, ulen: int) -> bytes:
     return bytes(out)
 
 
-def group_rows(pairs: Iterator[tuple[bytes, bytes]], namespace: str):
-    """Split a shard's keys into rows per table and the rest: -> ({table: (ids, values)}, [(key, value)])."""
+def group_rows(items: Iterator[tuple[bytes, Value]], namespace: str, layout: BucketLayout, widths: list[int]):
+    """Split a shard's keys into rows per table and the rest: the row buckets (hashes
+    ``{namespace}:{table}:`` + 8-byte bucket index, ``embeddings.buckets``) of tables whose rows are
+    ``widths[table]`` bytes -> ({table: (ids sorted [n] int64, rows' bytes in that order)}, [(key, value)]).
+    ``ShardDataError`` for a bucket that is not one of ``layout`` (a field or a row of another size)."""
     head = namespace.encode() + b":"
-    rows: dict[int, tuple[list[bytes], list[bytes]]] = {}
-    other: list[tuple[bytes, bytes]] = []
-    for key, value in pairs:
-        rest = key[len(head) :]
-        t, sep, rid = rest.partition(b":")
-        if sep and t.isdigit() and len(rid) == 8:
-            ids, vals = rows.setdefault(int(t), ([], []))
-            ids.append(rid)
-            vals.append(value)
-        else:
+    rows: dict[int, tuple[list[np.ndarray], list[bytes]]] = {}
+    other: list[tuple[bytes, Value]] = []
+    for key, value in items:
+        t, sep, bucket = key[len(head) :].partition(b":")
+        if isinstance(value, bytes) and sep and t.isdigit() and len(bucket) == KEY_ID_BYTES:
+            raise ShardDataError(
+                f"snapshot: {key!r} is a row as one string (the layout before hash buckets): "
+                "this version reads row buckets only"
+            )
+        if not (isinstance(value, list) and sep and t.isdigit() and len(bucket) == KEY_ID_BYTES):
             other.append((key, value))
+            continue
+        table = int(t)
+        if table >= len(widths):
+            raise ShardDataError(f"snapshot: bucket {key!r} of table {table}, which the run does not have")
+        width = widths[table]
+        fields = [f for f, _ in value]
+        if any(len(v) != width for _, v in value):
+            bad = next(len(v) for _, v in value if len(v) != width)
+            raise ShardDataError(f"snapshot: bucket {key!r} holds a row of {bad} bytes, expected {width}")
+        try:
+            ids = layout.row_ids(int.from_bytes(bucket, "big"), fields, width)
+        except ValueError as e:
+            raise ShardDataError(f"snapshot: bucket {key!r}: {e}") from None
+        got = rows.setdefault(table, ([], []))
+        got[0].append(ids)
+        got[1].append(b"".join(v for _, v in value))
     out = {}
-    for t, (ids, vals) in rows.items():
-        out[t] = (np.frombuffer(b"".join(ids), ">u8").astype(np.int64), b"".join(vals))
+    for t, (ids_parts, vals) in rows.items():
+        ids = np.concatenate(ids_parts)
+        order = np.argsort(ids, kind="stable")
+        width = widths[t]
+        values = np.frombuffer(b"".join(vals), np.uint8).reshape(len(ids), width)[order]
+        out[t] = (ids[order], values.tobytes())
     return out, other

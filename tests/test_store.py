@@ -46,12 +46,13 @@ def test_redis_and_reference_agree_row_for_row(shards3, namespace, opt, placemen
             got, want = st.read_rows(t.name, ids), ref.read_rows(t.name, ids)
             assert got.shape == (len(ids), t.dim + opt.state_width)
             np.testing.assert_array_equal(got, want)
-        # rows are really spread: every shard holds keys of this namespace
-        per_shard = [len(list(redis.Redis.from_url(u).scan_iter(f"{namespace}:*", count=1000))) for u in shards3.urls]
+        # rows are really spread: every shard holds rows of this namespace (hash fields of its buckets)
+        keys = [list(redis.Redis.from_url(u).scan_iter(f"{namespace}:*", count=1000)) for u in shards3.urls]
+        per_shard = [sum(redis.Redis.from_url(u).hlen(k) for k in ks) for u, ks in zip(shards3.urls, keys)]
         if placement == "row":
             assert min(per_shard) > 0
-        assert sum(per_shard) == len(written)  # one key per written row, none for reads
-        assert st.clear() == len(written)
+        assert sum(per_shard) == len(written)  # one field per written row, none for reads
+        assert st.clear() == sum(len(ks) for ks in keys)
 
 
 def test_duplicates_are_summed_and_untouched_rows_are_lazy(shards3, namespace):
@@ -255,11 +256,13 @@ def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
 
 
 def test_row_writes_encode_every_table_as_one_command_per_table_would():
-    """A write of many tables (key prefixes of two lengths, rows of two widths) is encoded a few
-    arrays at a time; the MSETs carry exactly the (key, value) pairs of encoding each table alone."""
+    """A write of many tables (key prefixes of two lengths, rows of two widths, sparse rows and a
+    dense run) is encoded a few arrays at a time; the HSETs carry exactly the (bucket, field, row) of
+    each row as the layout places it alone: one command per row, or per bucket for the dense run."""
     import hiredis
 
-    from embeddings.wire import RowConnection, key_args, value_args
+    from embeddings.buckets import BucketLayout
+    from embeddings.wire import RowConnection
 
     rng = np.random.default_rng(5)
     groups = []
@@ -269,21 +272,21 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
         ids = np.sort(rng.choice(1 << 40, n, replace=False))
         groups.append((b"ns:{0}:%d:" % t, ids, rng.standard_normal((n, width)).astype(np.float32)))
     groups.append((b"ns:{0}:4:", np.empty(0, np.int64), np.empty((0, 17), np.float32)))
+    groups.append((b"ns:{0}:5:", np.arange(100, 1100), rng.standard_normal((1000, 17)).astype(np.float32)))
 
-    def pairs(commands):
-        out = {}
-        for c in commands:
-            reader = hiredis.Reader()
-            reader.feed(c)
-            cmd = reader.gets()
-            assert cmd[0] == b"MSET" and reader.gets() is False  # one whole command each
-            out.update(zip(cmd[1::2], cmd[2::2]))
-        return out
-
-    got = pairs(RowConnection._row_commands(groups))
+    conn = RowConnection(None, 1.0, BucketLayout(spread=3))  # type: ignore[arg-type]
+    commands, replies = conn._row_commands(groups)
+    got, sent = {}, 0
+    for part in commands:
+        reader = hiredis.Reader()
+        reader.feed(part)
+        while (cmd := reader.gets()) is not False:  # whole commands only
+            assert cmd[0] == b"HSET" and len(cmd) % 2 == 0
+            got.update({(cmd[1], f): v for f, v in zip(cmd[2::2], cmd[3::2])})
+            sent += 1
     want = {}
-    for prefix, ids, rows in groups[:-1]:
-        for k, v in zip(key_args(prefix, ids), value_args(rows)):  # each "$len\r\n<bytes>\r\n"
-            k, v = bytes(k), bytes(v)
-            want[k[k.index(b"\r\n") + 2 : -2]] = v[v.index(b"\r\n") + 2 : -2]
+    for prefix, ids, rows in groups:
+        for i, r in zip(ids.tolist(), rows):
+            want[conn.layout.location(prefix, i, 4 * rows.shape[1])] = r.astype("<f4").tobytes()
     assert got == want and len(got) == sum(len(ids) for _, ids, _ in groups)
+    assert sent == sum(n for _, n in replies) < len(got)  # the dense run: one HSET per bucket
