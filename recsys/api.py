@@ -104,7 +104,8 @@ class Summary:
     final_logloss: float
     pls: float
     """portion of lost samples (partial recoveries)"""
-    embedding_digest: str
+    embedding_digest: str | None
+    """SHA-256 over every row; None where the tables are over ``--digest-max-rows``"""
     recovery: str
     shards: int
     trainers: int
@@ -121,7 +122,7 @@ class Summary:
             final_auc=float(d["final_auc"]),
             final_logloss=float(d["final_logloss"]),
             pls=float(d.get("pls", 0.0)),
-            embedding_digest=d.get("embedding_digest", ""),
+            embedding_digest=d.get("embedding_digest"),
             recovery=d.get("recovery", ""),
             shards=int(d.get("shards", 0)),
             trainers=int(d.get("trainers", 1)),

@@ -585,8 +585,11 @@ def bench_scaling(args) -> list[dict]:
             t0 = time.perf_counter()
             spawn_shard(spec, die_with_parent=False, timeout_s=600)
             lower_s = time.perf_counter() - t0
+            shard_file = ckpt.candidates()[0].shard_file(0)
+            disk_s, loopback_s = read_seconds(shard_file), loopback_seconds(shard_file)
             store.close()
             shutil.rmtree(ckpt_dir, ignore_errors=True)
+        gb = shard_bytes / 1e9
         rows.append(
             {
                 "rows_per_shard": per_shard,
@@ -601,6 +604,14 @@ def bench_scaling(args) -> list[dict]:
                 "recovery_replica_s": round(replica_s, 4),
                 "full_restore_s": round(full_s, 3),
                 "load_lower_bound_s": round(lower_s, 3),
+                # seconds per GB of shard snapshot: the restores, and their sources
+                "restore_local_s_per_gb": round(partial_s / gb, 2),
+                "restore_remote_s_per_gb": round(remote_s / gb, 2),
+                "redis_load_s_per_gb": round(lower_s / gb, 2),
+                "disk_read_s_per_gb": round(disk_s / gb, 3),
+                "loopback_send_s_per_gb": round(loopback_s / gb, 3),
+                "local_x_redis_load": round(partial_s / lower_s, 2),
+                "remote_x_loopback": round(remote_s / loopback_s, 1),
                 "shards": args.scaling_shards,
             }
         )
@@ -616,6 +627,41 @@ def bench_scaling(args) -> list[dict]:
         w.writerows(rows)
     print(md)
     return rows
+
+
+def read_seconds(path: Path) -> float:
+    """Seconds to read a file start to end (the source of a restore from a local file, as it stands:
+    a snapshot just written is likely in the page cache)."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(16 << 20):
+            pass
+    return time.perf_counter() - t0
+
+
+def loopback_seconds(path: Path) -> float:
+    """Seconds to send a file's bytes over a loopback TCP socket to a reader that drops them (the
+    network source of a restore over the protocol, without Redis)."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def drain() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv(1 << 20):
+                pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c, open(path, "rb") as f:
+        c.sendfile(f)
+    reader.join()
+    server.close()
+    return time.perf_counter() - t0
 
 
 def parse_size(text: str) -> int:

@@ -110,6 +110,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
     "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),
+    "--digest-max-rows": (
+        "train",
+        "digest_max_rows",
+        int,
+        "the final embedding_digest reads every row; tables of more rows in all skip it (null digest)",
+    ),
     "--out": ("train", "out", str, "run directory"),
     "--recovery": (
         "recovery",

@@ -49,7 +49,9 @@ def rows(runs) -> list[dict]:
                 "failures": len(s.failures),
                 "lost_updates": s.lost_updates,
                 "recovery_s": round(sum(f.detected_after_s + f.recovery_s for f in s.failures), 3),
-                "same_embeddings": ref is not None and s.embedding_digest == ref.embedding_digest,
+                "same_embeddings": ref is not None
+                and s.embedding_digest is not None
+                and s.embedding_digest == ref.embedding_digest,
             }
         )
     return out

@@ -268,6 +268,9 @@ class TrainConfig:
     """Run directory for config.toml, metrics.jsonl, summary.json, plots/."""
     save_model: bool = False
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
+    digest_max_rows: int = 100_000_000
+    """summary.json's embedding_digest reads every row of every table at the end (from the shards,
+    on the tier); tables of more rows in all skip it (the digest is null, one line says so)."""
     tensorboard: bool = False
     """Also write the metrics and failures as TensorBoard events in ``{out}/tensorboard`` (needs the
     ``tensorboard`` package: ``pip install .[tensorboard]``)."""
@@ -291,6 +294,7 @@ class TrainConfig:
         )
         _check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
         _check(self.log_every > 0, "log_every", self.log_every, "must be > 0")
+        _check(self.digest_max_rows >= 0, "digest_max_rows", self.digest_max_rows, "must be >= 0")
         _check(bool(self.out), "out", self.out, "must be a directory path")
 
 

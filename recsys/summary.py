@@ -55,7 +55,7 @@ def run_summary(
     wall: float,
     warm: tuple[int, float] | None,
     final: dict,
-    digest: str,
+    digest: str | None,
     ceiling_auc: float | None,
     failures: list[dict],
     lost: list[float],

@@ -268,6 +268,9 @@ def assert_same_embeddings(a, b) -> None:
     """The two runs ended with bit-identical embedding tables (weights and optimizer state)."""
     ra, rb = _run(a), _run(b)
     da, db = ra.summary.embedding_digest, rb.summary.embedding_digest
+    for r, d in ((ra, da), (rb, db)):
+        if not d:
+            raise AssertionError(f"run {r.path} has no embedding digest (its tables are over --digest-max-rows)")
     if da != db:
         raise AssertionError(
             f"embeddings differ: {ra.path} ({ra.summary.recovery}, {len(ra.failures)} failures) has digest "

@@ -552,6 +552,20 @@ class Trainer:
         self.load_state_dict({"dense": state["dense"], "run": meta}, rollback=True)
         self.recovery.on_rollback(to_step)
 
+    def digest(self) -> str | None:
+        """SHA-256 over every row of every table (``summary.json``'s ``embedding_digest``); None, with
+        one line, where the tables hold more rows than ``--digest-max-rows`` (it reads them all)."""
+        rows = sum(self.cfg.data.rows)
+        limit = self.cfg.train.digest_max_rows
+        if rows > limit:
+            print(
+                f"embedding_digest skipped: the tables hold {rows:,} rows, over --digest-max-rows {limit:,} "
+                "(the digest reads every row)",
+                file=sys.stderr,
+            )
+            return None
+        return embedding_digest(self.backend.table_blocks())
+
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
@@ -599,7 +613,7 @@ class Trainer:
         def final(only) -> None:
             if self.rank == 0:
                 res["eval"] = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
-                res["digest"] = embedding_digest(self.backend.table_blocks())
+                res["digest"] = self.digest()
                 self.check_evictions(final=True)  # what the evaluation and the digest read was all there
 
         out = self.recovery.run_phase(self.steps, "final", final)

@@ -190,7 +190,7 @@ def sweep(args, tmp: Path) -> list[tuple]:
         for rows in [int(x) for x in args.sweep.split(",")]:
             saved, args.embedding_dim = args.embedding_dim, dim
             try:
-                tier = cache_run(args, tmp / f"sweep-{rows}-{dim}", rows, args.sweep_cache_mb, 1.2)
+                tier = cache_run(args, tmp / f"sweep-{rows}-{dim}", rows, args.sweep_cache_mb, 1.2, digest=False)
             except subprocess.CalledProcessError as e:
                 last = (e.stderr or "").strip().splitlines()[-1:] or ["?"]
                 tier = {"failed": last[0][:80]}
@@ -209,7 +209,7 @@ def sweep(args, tmp: Path) -> list[tuple]:
     return out
 
 
-def cache_run(args, out: Path, rows: int, budget_mb: float, zipf: float) -> dict:
+def cache_run(args, out: Path, rows: int, budget_mb: float, zipf: float, digest: bool = True) -> dict:
     """One tier run (1 trainer, 2 shards) with a row cache of ``budget_mb``, as its own process
     (``recsys train``), so that its peak RSS is the trainer's own."""
     import json
@@ -219,6 +219,8 @@ def cache_run(args, out: Path, rows: int, budget_mb: float, zipf: float) -> dict
     cmd += ["--steps", str(args.steps + WARMUP_STEPS), "--batch-size", str(args.batch_size), "--eval-every", "0"]
     cmd += ["--eval-samples", "4096", "--log-every", str(args.steps), "--optimizer", args.optimizer]
     cmd += ["--held-rows-mb", f"{budget_mb:g}", "--out", str(out)]
+    if not digest:  # the final digest reads every row of every table: not at the sizes of the sweep
+        cmd += ["--digest-max-rows", "0"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads((out / "summary.json").read_text())
 

@@ -40,7 +40,7 @@ def drill_rows(reference: recsys.Run, runs: dict[str, recsys.Run]) -> list[dict]
                 "pls": round(s.pls, 5),
                 "auc_change": round(s.final_auc - ref.final_auc, 5),
                 "wall_vs_reference_pct": round(100 * (s.wall_seconds / ref.wall_seconds - 1), 1),
-                "exact": s.embedding_digest == ref.embedding_digest,
+                "exact": s.embedding_digest is not None and s.embedding_digest == ref.embedding_digest,
             }
         )
     return rows

@@ -89,6 +89,10 @@ def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path
     # the pause of a network snapshot is its fork, not its transfer
     assert float(row["snapshot_pause_network_s"]) <= float(row["snapshot_total_network_s"])
     assert float(row["recovery_replica_s"]) < float(row["recovery_remote_s"])
+    # seconds per GB of shard: a restore over the protocol, and its source (a loopback socket) beside it
+    gb = float(row["shard_snapshot_mb"]) / 1000
+    assert abs(float(row["restore_remote_s_per_gb"]) - float(row["recovery_remote_s"]) / gb) <= 0.001 / gb + 0.01
+    assert float(row["loopback_send_s_per_gb"]) > 0 and float(row["disk_read_s_per_gb"]) > 0
 
 
 def test_mtbf_schedule_draws_exponential_gaps_seeded():

@@ -26,3 +26,33 @@ def test_the_in_process_store_keeps_the_counters_a_summary_reads():
 
 def test_the_local_baseline_is_a_backend_without_a_store():
     assert issubclass(LocalBackend, Backend) and LocalBackend.store is None
+
+
+def test_tables_over_digest_max_rows_end_without_a_digest_and_say_so(tmp_path):
+    """The digest reads every row at the end: tables over --digest-max-rows skip it, null in
+    summary.json with one line, and two such runs are never called the same."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from recsys.api import load_run
+    from recsys.testing import assert_same_embeddings
+
+    flags = ["--steps", "4", "--rows-per-table", "100", "--embedding-dim", "4", "--batch-size", "64"]
+    flags += ["--trainers", "1", "--shards", "1", "--eval-samples", "256", "--digest-max-rows", "2599"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(tmp_path / "a")],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "embedding_digest skipped: the tables hold 2,600 rows, over --digest-max-rows 2,599" in proc.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["embedding_digest"] is None
+    run = load_run(tmp_path / "a")
+    with pytest.raises(AssertionError, match="no embedding digest"):
+        assert_same_embeddings(run, run)
