@@ -9,6 +9,21 @@ from typing import TYPE_CHECKING
 
 from recovery.accounting import pls
 
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MB: ``VmHWM`` of its address space (Linux). Not
+    ``ru_maxrss``, which Linux carries across fork and exec: a process started by a large one would
+    report its parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 if TYPE_CHECKING:
     from embeddings.store import StoreCounters
     from recovery.checkpoint import SaveStats
@@ -124,7 +139,7 @@ def run_summary(
         # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
         # added beyond the budget for an open window
         "row_cache": None if store is None or store.held is None else store.held.stats(),
-        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # this process's peak
+        "max_rss_mb": peak_rss_mb(),
         "checkpoint_every": schedule.every,
         "checkpoint_plan": schedule.plan,
         "priority_saves": len(priority_pauses),
