@@ -195,7 +195,8 @@ ROWS = _needs(
 )
 INFO = _needs("the eviction watch, checkpoints", ("INFO", "memory"))
 RESTORE = _needs("restoring a failed shard", ("SCAN", "0"), ("UNLINK", "k"))
-CLAIM = _needs("the run's claim of its namespace (embeddings.ownership)", ("UNLINK", "k"))
+CLAIM = _needs("the run's claim of its namespace (embeddings.ownership)", ("EXISTS", "k"), ("UNLINK", "k"))
+FRESH = _needs("the run's claim of its namespace (embeddings.ownership)", ("EXISTS", "k"))
 SNAPSHOT = _needs("checkpoints over the network", ("SYNC",), ("REPLCONF", "rdb-only", "1"))
 PROMOTE = _needs("promoting a replica", ("REPLICAOF", "NO", "ONE"))
 WAIT = _needs("--replica-wait", ("WAIT", "1", "0"))
@@ -217,7 +218,8 @@ def commands_needed(
 ) -> list[tuple[Need, ...]]:
     """Per URL (``num_shards`` servers, then ``num_replicas`` replicas): what a run sends a server it
     did not start. Every run: rows (``embeddings.wire``: HGET and PING, HSET, MULTI/HSET/SET/EXEC,
-    GET; ``CONFIG SET`` of the listpack limits is tried but not needed, ``embeddings.buckets``), INFO (``RedisStore.check_evictions``, snapshots). Every strategy but replica: restores of a
+    GET; ``CONFIG SET`` of the listpack limits is tried but not needed, ``embeddings.buckets``), INFO
+    (``RedisStore.check_evictions``, snapshots), EXISTS and UNLINK on primaries (the namespace claim). Every strategy but replica: restores of a
     failed shard (``clear_shard``: SCAN, UNLINK, then ``load_snapshot``). Checkpoints (``--checkpoint-every``, any strategy): a snapshot over the
     network (``embeddings.rdb.NetworkSnapshot``: REPLCONF, SYNC). ``--recovery replica``: REPLICAOF NO
     ONE on the replica (a cluster promotes its own), which then serves the shard (rows, checkpoints).
@@ -225,7 +227,7 @@ def commands_needed(
     CLIENT PAUSE (on a cluster, where a shard's node is not known yet: on every seed)."""
     base = ROWS + INFO + (CLUSTER if cluster else ()) + (SNAPSHOT if checkpoints else ())
     promotes = strategy == "replica"
-    primary = base + (CLAIM if promotes else RESTORE) + (WAIT if replica_wait else ())
+    primary = base + (CLAIM if promotes else RESTORE + FRESH) + (WAIT if replica_wait else ())
     out = []
     for s in range(num_shards):
         kill = KILL if (cluster and killed) or s in killed else ()

@@ -816,7 +816,7 @@ class RedisStore(StoreBase):
 
     def load_snapshot(self, shard: int, path, chunk_rows: int = 20_000) -> int:
         """Write this namespace's keys of the RDB file at ``path`` onto one shard (over the protocol,
-        pipelined transactions of ``chunk_rows`` rows, one HSET per bucket); returns the bytes written."""
+        pipelined writes of ``chunk_rows`` rows, one HSET per bucket; the bookkeeping keys in one transaction); returns the bytes written."""
         from embeddings.rdb import group_rows, read_keys
 
         ns = self.key_namespace(shard)
