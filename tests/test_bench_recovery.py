@@ -90,8 +90,9 @@ def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path
     assert float(row["snapshot_pause_network_s"]) <= float(row["snapshot_total_network_s"])
     assert float(row["recovery_replica_s"]) < float(row["recovery_remote_s"])
     # seconds per GB of shard: a restore over the protocol, and its source (a loopback socket) beside it
-    gb = float(row["shard_snapshot_mb"]) / 1000
-    assert abs(float(row["restore_remote_s_per_gb"]) - float(row["recovery_remote_s"]) / gb) <= 0.001 / gb + 0.01
+    # (the columns are rounded: the snapshot's MB to 0.1, the seconds to 1 ms)
+    per_gb = float(row["recovery_remote_s"]) / (float(row["shard_snapshot_mb"]) / 1000)
+    assert abs(float(row["restore_remote_s_per_gb"]) - per_gb) <= 0.1 * per_gb
     assert float(row["loopback_send_s_per_gb"]) > 0 and float(row["disk_read_s_per_gb"]) > 0
 
 
