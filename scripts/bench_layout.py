@@ -147,6 +147,15 @@ class Conn(RowConnection):
         ``reply_len`` bytes, or (``sentinel``) up to the reply of an ECHO sent after them."""
         return self._run(lambda: self._pipeline(cmds, reply_len, sentinel))
 
+    def _until_echo(self, tok: bytes) -> bytes:
+        """The replies before the ECHO of ``tok`` that ends a pipeline, as raw bytes."""
+        end = b"$16\r\n" + tok + b"\r\n"
+        while not self._buf.endswith(end):
+            self._fill(len(self._buf) + 1)
+        body = bytes(self._buf[: -len(end)])
+        self._buf.clear()
+        return body
+
     def _pipeline(self, cmds, reply_len, sentinel):
         tok = os.urandom(16)
         parts = [cmds[lo : lo + CHUNK].tobytes() for lo in range(0, len(cmds), CHUNK)]
@@ -155,12 +164,7 @@ class Conn(RowConnection):
         self._send(b"".join(parts))
         if reply_len is not None:
             return self._take(reply_len)
-        end = b"$16\r\n" + tok + b"\r\n"
-        while not self._buf.endswith(end):
-            self._fill(len(self._buf) + 1)
-        body = bytes(self._buf[: -len(end)])
-        self._buf.clear()
-        return body
+        return self._until_echo(tok)
 
     def command(self, args: list[bytes], reply_head: bytes | None = None) -> bytes:
         """One command; -> its reply (a bulk string's bytes, or the raw line)."""
@@ -455,12 +459,7 @@ def _pipeline_raw_many(self, cmds: list[bytes], sentinel: bool = False) -> bytes
                 if not line.startswith(b":"):
                     self._fail(line + b"\r\n")
             return b""
-        end = b"$16\r\n" + tok + b"\r\n"
-        while not self._buf.endswith(end):
-            self._fill(len(self._buf) + 1)
-        body = bytes(self._buf[: -len(end)])
-        self._buf.clear()
-        return body
+        return self._until_echo(tok)
 
     return self._run(run)
 
