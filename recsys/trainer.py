@@ -17,7 +17,9 @@ Under the launcher (``python -m recsys train --trainers W``) or ``torchrun`` eve
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -727,3 +729,5 @@ def worker_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if os.environ.get("RECSYS_SUPERVISED") and multiprocessing.parent_process() is not None:
+            gc.freeze()  # a trainer process, which ends with this call: its exit need not walk torch's heap

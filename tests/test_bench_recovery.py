@@ -1,10 +1,9 @@
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from recsys.bench import failure_schedule, parse_size
+from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,9 +21,8 @@ def test_failure_schedule_is_seeded_and_in_range():
 
 def test_bench_recovery_writes_its_table_and_plot(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = procs.run(
         [
-            sys.executable,
             "scripts/bench_recovery.py",
             "--steps",
             "40",
@@ -48,9 +46,6 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,12 +69,8 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
 
 def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path):
     out = tmp_path / "scale"
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_recovery.py", "--scaling-only", "--scaling-sizes", "2MB", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = procs.run(
+        ["scripts/bench_recovery.py", "--scaling-only", "--scaling-sizes", "2MB", "--out", str(out)], timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = list(csv.DictReader(open(out / "scaling.csv")))
@@ -110,9 +101,8 @@ def test_mtbf_schedule_draws_exponential_gaps_seeded():
 
 def test_bench_sweep_writes_the_trade_off_table_and_plot(tmp_path):
     out = tmp_path / "sweep"
-    proc = subprocess.run(
+    proc = procs.run(
         [
-            sys.executable,
             "scripts/bench_recovery.py",
             "--sweep",
             "--steps",
@@ -136,9 +126,6 @@ def test_bench_sweep_writes_the_trade_off_table_and_plot(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,7 +3,6 @@ the traceback goes to the run folder. Real processes: the CLI, real redis-server
 
 import gzip
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from data.synthetic import SyntheticConfig, write_tsv
 from embeddings import LocalShards
 from embeddings.launcher import free_port
+from tests import procs
 from tests.conftest import track, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,13 +19,7 @@ SMALL += ["--eval-every", "0", "--eval-samples", "512", "--trainers", "1"]
 
 
 def cli(tmp_path: Path, *flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recsys", "train", *SMALL, "--out", str(tmp_path / "run"), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return procs.run(["-m", "recsys", "train", *SMALL, "--out", str(tmp_path / "run"), *flags], timeout=timeout)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -159,12 +153,8 @@ def test_a_stalled_shard_given_only_by_url_is_recovered_once_it_answers(tmp_path
     ],
 )
 def test_a_bad_sweep_flag_is_named_before_any_run(tmp_path, flags, named):
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "bench-recovery", "--sweep", "--out", str(tmp_path / "sweep"), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = procs.run(
+        ["-m", "recsys", "bench-recovery", "--sweep", "--out", str(tmp_path / "sweep"), *flags], timeout=120
     )
     assert named in one_error_line(proc)
     assert not (tmp_path / "sweep" / "none-0").exists()

@@ -3,17 +3,18 @@
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "tests" / "data" / "criteo_kaggle_sample.tsv"
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = procs.run(args, cwd=cwd, timeout=timeout)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -27,7 +28,7 @@ def readme_example() -> str:
 
 def test_the_readme_example_runs_as_written(tmp_path):
     (tmp_path / "example.py").write_text(readme_example())
-    proc = run([sys.executable, "example.py"], cwd=tmp_path)
+    proc = run(["example.py"], cwd=tmp_path)
     summary = json.loads((tmp_path / "runs" / "example-mfu" / "summary.json").read_text())
     (f,) = summary["failures"]
     assert f["target"] == 1 and f["step"] == 60 and f["strategy"] == "partial-mfu"
@@ -41,7 +42,6 @@ def test_train_criteo_script_on_the_kaggle_sample_with_two_trainers(tmp_path):
     out = tmp_path / "criteo"
     proc = run(
         [
-            sys.executable,
             str(ROOT / "scripts" / "train_criteo.py"),
             "--data",
             str(SAMPLE),
@@ -74,7 +74,6 @@ def test_failure_drill_prints_what_each_strategy_cost(tmp_path):
     out = tmp_path / "drill"
     proc = run(
         [
-            sys.executable,
             str(ROOT / "scripts" / "failure_drill.py"),
             "--fail",
             "shard:1@step=30",
@@ -115,9 +114,7 @@ def test_compare_two_runs_writes_its_table_and_plot(tmp_path):
 
     a = recsys.train(small_config(tmp_path / "a"))
     b = recsys.train(small_config(tmp_path / "b", recovery="partial", checkpoint_every=20, inject=["shard:2@step=30"]))
-    proc = run(
-        [sys.executable, "-m", "recsys", "compare", str(a.path), str(b.path), "--out", str(tmp_path / "cmp")], cwd=ROOT
-    )
+    proc = run(["-m", "recsys", "compare", str(a.path), str(b.path), "--out", str(tmp_path / "cmp")], cwd=ROOT)
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert "wrote" in proc.stdout and (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     lines = [x for x in md.splitlines() if x.startswith("| a ") or x.startswith("| b ")]
@@ -129,12 +126,7 @@ def test_compare_two_runs_writes_its_table_and_plot(tmp_path):
     f = recsys.load_run(b.path).summary.failures[0]
     assert f.target == 2 and f.phases_s["start"] > 0 and 0 <= f.failed_call_s <= f.detected_after_s
     # a folder that is not a run is named
-    bad = subprocess.run(
-        [sys.executable, "-m", "recsys", "compare", str(a.path), str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    bad = procs.run(["-m", "recsys", "compare", str(a.path), str(tmp_path)])
     assert bad.returncode == 2 and "not a run folder" in bad.stderr and "Traceback" not in bad.stderr
 
 

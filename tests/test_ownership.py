@@ -15,6 +15,7 @@ import redis
 
 from embeddings import LocalShards
 from recsys.config import ConfigError
+from tests import procs
 from tests.conftest import track, train_cli
 from tests.test_errors import SMALL, one_error_line
 
@@ -23,26 +24,14 @@ FAST = [*SMALL, "--max-restarts", "0"]  # one trainer in the command's process: 
 
 
 def cli(out: Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return procs.run(["-m", "recsys", "train", *flags, "--out", str(out)], timeout=timeout)
 
 
-def popen(out: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(out)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def popen(out: Path, *flags: str) -> procs.Proc:
+    return procs.start(["-m", "recsys", "train", *flags, "--out", str(out)], stdout=subprocess.DEVNULL)
 
 
-def wait_for(what, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_for(what, proc: procs.Proc, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not what():
         assert proc.poll() is None, f"the first run ended early: {proc.stderr.read()[-2000:]}"
@@ -50,7 +39,7 @@ def wait_for(what, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: procs.Proc) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:

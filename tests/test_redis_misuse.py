@@ -3,8 +3,6 @@ refused before any trainer starts with one line (shard, endpoint, what, the fix)
 commit point. Real processes: the CLI, real redis-servers (the plugin's ``redis_servers``)."""
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +14,8 @@ import redis
 from embeddings import SGD, RedisStore, TableSet, TableSpec
 from embeddings.endpoints import check_endpoints, commands_needed, missing_commands, probe
 from embeddings.errors import EndpointError, ShardEvictedError
-from tests.test_errors import ROOT, cli, one_error_line
+from tests import procs
+from tests.test_errors import cli, one_error_line
 
 EVICTS = ("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
 
@@ -121,13 +120,7 @@ def test_evictions_during_the_run_stop_it_at_a_commit_point_and_resume_restores_
     c = redis.Redis(port=port)
     c.config_set("maxmemory-policy", "noeviction")
     c.config_set("maxmemory", 0)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", "--resume", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    resumed = procs.run(["-m", "recsys", "train", "--resume", str(out)], timeout=180)
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     failures = json.loads((out / "summary.json").read_text())["failures"]
     assert [(f["target"], f["phase"]) for f in failures] == [(0, "resume")], failures

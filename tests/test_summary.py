@@ -7,6 +7,7 @@ import torch
 from embeddings import SGD, InProcessStore, TableSet, TableSpec, rowkeys
 from recsys.backends import Backend, LocalBackend
 from recsys.summary import after_warmup
+from tests import procs
 
 
 def test_throughput_after_warmup_counts_only_the_steps_after_it():
@@ -32,9 +33,6 @@ def test_tables_over_digest_max_rows_end_without_a_digest_and_say_so(tmp_path):
     """The digest reads every row at the end: tables over --digest-max-rows skip it, null in
     summary.json with one line, and two such runs are never called the same."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     import pytest
 
@@ -43,13 +41,7 @@ def test_tables_over_digest_max_rows_end_without_a_digest_and_say_so(tmp_path):
 
     flags = ["--steps", "4", "--rows-per-table", "100", "--embedding-dim", "4", "--batch-size", "64"]
     flags += ["--trainers", "1", "--shards", "1", "--eval-samples", "256", "--digest-max-rows", "2599"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", *flags, "--out", str(tmp_path / "a")],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = procs.run(["-m", "recsys", "train", *flags, "--out", str(tmp_path / "a")], timeout=300)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "embedding_digest skipped: the tables hold 2,600 rows, over --digest-max-rows 2,599" in proc.stderr
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["embedding_digest"] is None

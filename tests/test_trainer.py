@@ -10,6 +10,7 @@ import torch
 from recsys.cli import build_parser, resolve
 from recsys.config import ConfigError, DataConfig, EmbeddingConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from recsys.launch import run
+from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,9 +62,8 @@ def test_two_trainers_three_shards_equal_local_torchrec_with_the_global_batch(tm
 
 def test_cli_run_writes_all_outputs(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
+    proc = procs.run(
         [
-            sys.executable,
             "-m",
             "recsys",
             "train",
@@ -88,9 +88,6 @@ def test_cli_run_writes_all_outputs(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -140,13 +137,7 @@ def test_cli_run_writes_all_outputs(tmp_path):
     ],
 )
 def test_bad_config_exits_with_one_line_and_no_traceback(tmp_path, flags, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "recsys", "train", "--out", str(tmp_path / "r"), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = procs.run(["-m", "recsys", "train", "--out", str(tmp_path / "r"), *flags], timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -1,0 +1,155 @@
+"""``python -m recsys ...`` and the project's scripts as the tests run them: real processes, started
+by this worker's fork server (``tests/zygote.py``) so that each skips the import of torch and
+torchrec. ``run`` is ``subprocess.run(..., capture_output=True, text=True)``; ``start`` a
+``subprocess.Popen`` with the few methods the tests use. A request with its own ``env``, or any
+with ``RECSYS_TEST_EXEC=1`` set, runs in a fresh interpreter instead."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from tests.zygote import _HEADER
+
+ROOT = Path(__file__).resolve().parents[1]
+_server: subprocess.Popen | None = None
+_socket_path: str | None = None
+
+
+def _fresh() -> bool:
+    return os.environ.get("RECSYS_TEST_EXEC") == "1"
+
+
+def _server_path() -> str:
+    global _server, _socket_path
+    if _server is not None and _server.poll() is None:
+        assert _socket_path is not None
+        return _socket_path
+    folder = tempfile.mkdtemp(prefix="recsys-zygote-")
+    _socket_path = os.path.join(folder, "s")
+    _server = subprocess.Popen(
+        [sys.executable, "-m", "tests.zygote", _socket_path, str(os.getpid())],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = _server.stdout.readline() if _server.stdout else ""
+    assert line.strip() == "ready", f"the fork server did not start: {line!r}"
+    atexit.register(_stop_server)
+    return _socket_path
+
+
+def _stop_server() -> None:
+    if _server is not None and _server.poll() is None:
+        _server.kill()
+        _server.wait()
+    if _socket_path is not None:
+        shutil.rmtree(os.path.dirname(_socket_path), ignore_errors=True)
+
+
+class Proc:
+    """A child of the fork server: its pid, and its exit status as the server reports it."""
+
+    def __init__(self, args: list[str], cwd: Path, stdout: IO, stderr: IO) -> None:
+        self.args = args
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+        request = json.dumps({"args": args, "cwd": str(cwd), "env": dict(os.environ)}).encode()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_server_path())
+        with open(os.devnull, "rb") as stdin:
+            fds = [stdin.fileno(), stdout.fileno(), stderr.fileno()]
+            socket.send_fds(self._conn, [_HEADER.pack(len(request))], fds)
+        self._conn.sendall(request)
+        self._buf = b""
+        line = self._line(None)
+        assert line is not None, "the fork server did not start the process"
+        self.pid = int(line)
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line, None if none came within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            chunk = self._conn.recv(64)
+            assert chunk, f"the fork server went away while running {self.args}"
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._line(0)
+            if line is not None:
+                self._finish(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._finish(line)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _finish(self, line: str) -> None:
+        self.returncode = int(line)
+        self._conn.close()
+        for stream in (self.stdout, self.stderr):
+            stream.seek(0)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _stream(kind: Any) -> IO:
+    if kind == subprocess.DEVNULL:
+        return open(os.devnull, "w+")
+    return tempfile.TemporaryFile("w+")
+
+
+def start(args: list[str], cwd: Path = ROOT, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE) -> Any:
+    """``python ARGS`` started: a ``Proc`` (``subprocess.Popen`` with ``RECSYS_TEST_EXEC=1``) whose
+    ``stdout`` and ``stderr`` read what it wrote once it ended."""
+    if _fresh():
+        return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=stdout, stderr=stderr, text=True)
+    return Proc(args, cwd, _stream(stdout), _stream(stderr))
+
+
+def run(
+    args: list[str], cwd: Path = ROOT, timeout: float | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``python ARGS`` run to its end, its output captured as text."""
+    if env is not None or _fresh():
+        return subprocess.run(
+            [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+        )
+    proc = start(args, cwd)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess([sys.executable, *args], proc.returncode, proc.stdout.read(), proc.stderr.read())
