@@ -24,6 +24,7 @@ class Window:
         self.every = every
         self.held = held
         self._keys: list[np.ndarray] = []  # per step: the keys it updated first in the window
+        self._seen = np.zeros(0, np.int64)  # every key the window updated, sorted
         self._undo: list[np.ndarray] = []  # their rows before the window
         self.updates: list[tuple[object, int]] = []  # (update, step) of each step in the window
 
@@ -37,11 +38,15 @@ class Window:
     def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
         """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new
         rows are pinned in the held rows (``RedisStore.hold_written(pin=True)``) until ``take``."""
-        fresh = ~np.isin(keys, np.concatenate(self._keys)) if self._keys else np.ones(len(keys), bool)
+        # membership by binary search in the sorted keys so far, and a merge: a window step costs
+        # its own keys, not a sort of the whole window's
+        at = np.searchsorted(self._seen, keys)
+        fresh = self._seen[np.minimum(at, len(self._seen) - 1)] != keys if len(self._seen) else np.ones(len(keys), bool)
         if fresh.all():  # kept over steps: a copy, whatever the caller does with its array later
             before = before.copy()
         else:
-            keys, before = keys[fresh], before[fresh]
+            keys, before, at = keys[fresh], before[fresh], at[fresh]
+        self._seen = np.insert(self._seen, at, keys)
         self._keys.append(keys)
         self._undo.append(before)
         self.updates.append((update, step))
@@ -59,11 +64,15 @@ class Window:
             raise RuntimeError("a write-behind window's rows are no longer held")
         self.held.unpin(keys)
         updates = self.updates
-        self._keys, self._undo, self.updates = [], [], []
+        self._reset()
         return keys, rows, undo, updates
 
     def clear(self) -> None:
         """Forget the open window (a rollback took the rows back before it)."""
         if self._keys:
             self.held.unpin(np.concatenate(self._keys))
+        self._reset()
+
+    def _reset(self) -> None:
         self._keys, self._undo, self.updates = [], [], []
+        self._seen = np.zeros(0, np.int64)

@@ -80,3 +80,32 @@ def test_a_cleared_shard_is_read_back_and_an_evicted_forgotten_row_is_not_claime
     unknown = held.unknown(1)[0]
     np.testing.assert_array_equal(unknown, np.arange(1, 100, 2))  # shard 1's rows, to read back
     assert held.reinstate(1) == 50 and held.unknown(1) == {}
+
+
+def test_a_window_writes_each_row_once_as_of_its_last_step_with_its_value_before_the_window():
+    """``recovery.window.Window`` over the cache, against a dict: keys updated in several steps of a
+    window come out once, sorted, with the row before the window's first update as their undo."""
+    from recovery.window import Window
+
+    held = cache(budget_rows=3000)
+    window = Window(held, every=4)
+    rng = np.random.default_rng(2)
+    rows = {}  # key -> its row now
+    for w in range(3):
+        before_window: dict[int, np.ndarray] = {}
+        for step in range(4 * w + 1, 4 * w + 5):
+            keys = np.unique(pack(rng.integers(0, 2), rng.integers(0, 400, 120)))
+            current = np.stack([rows.get(k, np.zeros(4, np.float32)) for k in keys.tolist()]).astype(np.float32)
+            new = current + step
+            for k, old in zip(keys.tolist(), current, strict=True):
+                before_window.setdefault(k, old)
+            window.add(("update", step), step, keys, current)
+            held.put_keys(keys, new, step, pin=True)
+            rows.update(zip(keys.tolist(), new, strict=True))
+            assert window.open and window.closes_at(step) == (step % 4 == 0)
+        keys, now, undo, updates = window.take()
+        want = sorted(before_window)
+        np.testing.assert_array_equal(keys, want)
+        np.testing.assert_array_equal(now, np.stack([rows[k] for k in want]))
+        np.testing.assert_array_equal(undo, np.stack([before_window[k] for k in want]))
+        assert [s for _, s in updates] == list(range(4 * w + 1, 4 * w + 5)) and not window.open
