@@ -213,8 +213,7 @@ def resume(run_dir: str | Path, *, take_over_namespace: bool = False, **override
 
     A finished run is refused (its results are kept), and so is an override of a setting the run
     must keep (``recsys.rundir.RESUME_MAY_CHANGE`` lists those that may change)."""
-    from recsys.launch import resume_config
-    from recsys.rundir import check_resume
+    from recsys.rundir import check_resume, resume_config
 
     base = resume_config(run_dir)
     cfg = configure(base=base, **overrides)

@@ -297,7 +297,7 @@ def flag_of(key: str) -> str:
 def resolve(args: argparse.Namespace) -> RunConfig:
     base = None
     if args.resume:
-        from recsys.launch import resume_config
+        from recsys.rundir import resume_config
 
         if args.config:
             raise ConfigError(f"--config {args.config}: a resumed run's config is its own ({args.resume}/config.toml)")

@@ -280,3 +280,19 @@ def torchrun_identity(out: str | os.PathLike, namespace: str, resume: bool = Fal
             return d["run_id"], d["namespace"], False
     run_id = new_run_id()
     return run_id, namespace or f"run-{run_id[:10]}", True
+
+
+def resume_config(run_dir: str | Path) -> RunConfig:
+    """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from.
+    A run that finished is refused (``ConfigError``): its results are kept."""
+    run_dir = Path(run_dir)
+    for name in (layout.CONFIG, layout.RUN_FILE):
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"--resume {run_dir}: no {name} there (not the folder of a run that started)")
+    check_unfinished(run_dir, f"--resume {run_dir}")
+    cfg = RunConfig.from_toml(layout.config_file(run_dir))
+    namespace = read_run_file(run_dir)["namespace"]
+    d = cfg.to_dict()
+    d["embeddings"]["namespace"] = namespace
+    d["train"]["out"] = str(run_dir)
+    return RunConfig.from_dict(d, source=str(layout.config_file(run_dir)))
