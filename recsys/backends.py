@@ -224,10 +224,11 @@ class LocalBackend(Backend):
         state = self.ebc.fused_optimizer().state_dict()["state"]
         for name, w in self._tables().items():
             w = w.detach()
-            if self.cfg.optim.optimizer == "adagrad":  # row-wise: one accumulator per row
+            if self.cfg.optim.optimizer != "sgd":  # the Adagrads: an accumulator per row or per weight
                 acc = state.get(f"{name}.weight", {}).get(f"{name}.weight.momentum_1")
-                acc = acc if acc is not None else torch.zeros(w.shape[0])
-                w = torch.cat([w, acc.reshape(-1, 1)], dim=1)
+                width = 1 if self.cfg.optim.optimizer == "adagrad" else w.shape[1]
+                acc = acc if acc is not None else torch.zeros(w.shape[0], width)
+                w = torch.cat([w, acc.reshape(w.shape[0], width)], dim=1)
             yield name, (w[lo : lo + DIGEST_BLOCK].numpy() for lo in range(0, w.shape[0], DIGEST_BLOCK))
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -683,7 +683,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shards", type=int, default=4, help="local Redis shards")
     ap.add_argument("--rows-per-table", type=int, default=20_000, help="rows of each of the 26 tables")
     ap.add_argument("--embedding-dim", type=int, default=16, help="embedding dim")
-    ap.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad"], help="optimizer")
+    ap.add_argument(
+        "--optimizer", default="adagrad", choices=["sgd", "adagrad", "adagrad-exact", "adam"], help="optimizer"
+    )
     ap.add_argument("--lr", type=float, default=0.05, help="learning rate")
     ap.add_argument("--eval-samples", type=int, default=32_768, help="held-out samples for the final AUC")
     ap.add_argument("--checkpoint-every", type=int, default=100, help="checkpoint interval in steps")

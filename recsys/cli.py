@@ -101,7 +101,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step)",
     ),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
-    "--optimizer": ("optim", "optimizer", str, "sgd | adagrad (row-wise for embeddings)"),
+    "--optimizer": (
+        "optim",
+        "optimizer",
+        str,
+        "sgd | adagrad (row-wise for embeddings) | adagrad-exact | adam (lazy for embeddings)",
+    ),
     "--lr": ("optim", "lr", float, "learning rate"),
     "--steps": ("train", "steps", int, "training steps"),
     "--batch-size": ("train", "batch_size", int, "global batch size (split over trainers)"),

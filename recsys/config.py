@@ -237,15 +237,21 @@ class EmbeddingConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: Literal["sgd", "adagrad"] = "adagrad"
-    """Embedding rows: SGD or row-wise Adagrad; dense layers: SGD or Adagrad."""
+    optimizer: Literal["sgd", "adagrad", "adagrad-exact", "adam"] = "adagrad"
+    """Embedding rows: SGD, row-wise Adagrad (one accumulator a row), Adagrad (one a weight) or lazy
+    Adam (``embeddings.optim``); dense layers: SGD, Adagrad, Adagrad or Adam."""
     lr: float = 0.05
     """Learning rate of embeddings and dense layers."""
     eps: float = 1e-8
     """Adagrad epsilon."""
 
     def __post_init__(self) -> None:
-        _check(self.optimizer in ("sgd", "adagrad"), "optimizer", self.optimizer, "must be sgd or adagrad")
+        _check(
+            self.optimizer in ("sgd", "adagrad", "adagrad-exact", "adam"),
+            "optimizer",
+            self.optimizer,
+            "must be sgd, adagrad, adagrad-exact or adam",
+        )
         _check(self.lr > 0, "lr", self.lr, "must be > 0")
         _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
 
@@ -484,6 +490,12 @@ class RunConfig:
                 "windows are written behind by one trainer: needs --embeddings redis, --trainers 1 and write-behind",
             )
         if self.embeddings.embeddings == "local":
+            _check(
+                self.optim.optimizer != "adam",
+                "optimizer",
+                self.optim.optimizer,
+                "the local fused engine has no Adam on the host (fbgemm's CPU kernels: sgd and the Adagrads)",
+            )
             _check(
                 self.train.trainers == 1,
                 "trainers",

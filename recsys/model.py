@@ -92,6 +92,8 @@ def local_model(cfg: RunConfig) -> tuple[DLRM, FusedEmbeddingBagCollection]:
     configs = table_configs(cfg)
     if cfg.optim.optimizer == "sgd":
         kind, kwargs = torch.optim.SGD, {"lr": cfg.optim.lr}  # torchrec.optim.SGD is refused by the fused engine
+    elif cfg.optim.optimizer == "adagrad-exact":  # fbgemm's EXACT_ADAGRAD
+        kind, kwargs = torch.optim.Adagrad, {"lr": cfg.optim.lr, "eps": cfg.optim.eps}
     else:
         kind, kwargs = torchrec.optim.RowWiseAdagrad, {"lr": cfg.optim.lr, "eps": cfg.optim.eps}
     ebc = FusedEmbeddingBagCollection(
@@ -115,4 +117,6 @@ def dense_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     # foreach: one multi-tensor kernel per update op rather than one per parameter (about 1 ms a step on CPU)
     if cfg.optim.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.optim.lr, foreach=True)
+    if cfg.optim.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.optim.lr, eps=cfg.optim.eps, foreach=True)
     return torch.optim.Adagrad(params, lr=cfg.optim.lr, eps=cfg.optim.eps, foreach=True)

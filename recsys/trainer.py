@@ -228,6 +228,11 @@ class Trainer:
         mapping costs ~2 ms; the optimizer updates its tensors in place, so it is built again only
         when the optimizer gains state or the state was loaded (``load_state_dict``)."""
         if self._dense_cache is None or self._dense_cache[0] != len(self.opt.state):
+            if not self.opt.state:  # before the first step: get_state_dict makes the state by a step
+                get_state_dict(self.plain, self.opt)  # of zero gradients at lr 0, which still counts:
+                for state in self.opt.state.values():  # Adam's bias correction would start at t=2
+                    if "step" in state:
+                        state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
             msd, osd = get_state_dict(self.plain, self.opt)
             model = {k: v for k, v in msd.items() if "embedding_bags" not in k}
             self._dense_cache = (len(self.opt.state), model, osd)

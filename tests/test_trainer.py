@@ -128,7 +128,11 @@ def test_cli_run_writes_all_outputs(tmp_path):
     "flags, message",
     [
         (["--batch-size", "7", "--trainers", "2"], "batch_size=7: must be a multiple of trainers=2"),
-        (["--optimizer", "adam"], "optimizer='adam': must be sgd or adagrad"),
+        (["--optimizer", "adamw"], "optimizer='adamw': must be sgd, adagrad, adagrad-exact or adam"),
+        (
+            ["--embeddings", "local", "--optimizer", "adam"],
+            "optimizer='adam': the local fused engine has no Adam on the host",
+        ),
         (["--data", "criteo-kaggle:/nonexistent/train.txt"], "path '/nonexistent/train.txt' does not exist"),
         (["--steps", "ten"], "--steps 'ten': not a valid int"),
         (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
