@@ -39,7 +39,9 @@ class Window:
         """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new
         rows are pinned in the held rows (``RedisStore.hold_written(pin=True)``) until ``take``."""
         # membership by binary search in the sorted keys so far, and a merge: a window step costs
-        # its own keys, not a sort of the whole window's
+        # its own keys, not a sort of the whole window's (which needs them sorted and unique)
+        if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():
+            raise ValueError(f"step {step}: a window's keys must be sorted and unique")
         at = np.searchsorted(self._seen, keys)
         fresh = self._seen[np.minimum(at, len(self._seen) - 1)] != keys if len(self._seen) else np.ones(len(keys), bool)
         if fresh.all():  # kept over steps: a copy, whatever the caller does with its array later

@@ -243,7 +243,7 @@ class OptimConfig:
     lr: float = 0.05
     """Learning rate of embeddings and dense layers."""
     eps: float = 1e-8
-    """Adagrad epsilon."""
+    """The Adagrads' and Adam's epsilon."""
 
     def __post_init__(self) -> None:
         _check(

@@ -20,15 +20,24 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from tests.zygote import _HEADER
+from tests.zygote import _HEADER, IMPORT_TIME_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 _server: subprocess.Popen | None = None
 _socket_path: str | None = None
+_server_env: dict[str, str] = {}
+
+
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
 def _fresh() -> bool:
-    return os.environ.get("RECSYS_TEST_EXEC") == "1"
+    """A fresh interpreter for this request: asked for, or the environment the server started with
+    differs where an interpreter or a native library reads it only as it starts."""
+    if os.environ.get("RECSYS_TEST_EXEC") == "1":
+        return True
+    return _server is not None and _import_time_env(dict(os.environ)) != _server_env
 
 
 def _server_path() -> str:
@@ -36,6 +45,12 @@ def _server_path() -> str:
     if _server is not None and _server.poll() is None:
         assert _socket_path is not None
         return _socket_path
+    if _server is None:
+        atexit.register(_stop_server)
+    else:  # it died: a new one, in a new folder
+        _stop_server()
+    global _server_env
+    _server_env = _import_time_env(dict(os.environ))
     folder = tempfile.mkdtemp(prefix="recsys-zygote-")
     _socket_path = os.path.join(folder, "s")
     _server = subprocess.Popen(
@@ -47,7 +62,6 @@ def _server_path() -> str:
     )
     line = _server.stdout.readline() if _server.stdout else ""
     assert line.strip() == "ready", f"the fork server did not start: {line!r}"
-    atexit.register(_stop_server)
     return _socket_path
 
 
@@ -75,8 +89,8 @@ class Proc:
             socket.send_fds(self._conn, [_HEADER.pack(len(request))], fds)
         self._conn.sendall(request)
         self._buf = b""
-        line = self._line(None)
-        assert line is not None, "the fork server did not start the process"
+        line = self._line(60)
+        assert line is not None, f"the fork server did not start {args} within 60 s"
         self.pid = int(line)
 
     def _line(self, timeout: float | None) -> str | None:
@@ -115,7 +129,7 @@ class Proc:
             stream.seek(0)
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # not reaped yet: the pid is still the child's
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
@@ -125,6 +139,8 @@ class Proc:
 def _stream(kind: Any) -> IO:
     if kind == subprocess.DEVNULL:
         return open(os.devnull, "w+")
+    if kind != subprocess.PIPE:
+        raise ValueError(f"procs.start: stdout/stderr {kind!r}: PIPE or DEVNULL (a file: use subprocess.Popen)")
     return tempfile.TemporaryFile("w+")
 
 

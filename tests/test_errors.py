@@ -3,6 +3,7 @@ the traceback goes to the run folder. Real processes: the CLI, real redis-server
 
 import gzip
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,16 @@ def test_a_bad_sweep_flag_is_named_before_any_run(tmp_path, flags, named):
     )
     assert named in one_error_line(proc)
     assert not (tmp_path / "sweep" / "none-0").exists()
+
+
+def test_a_refused_resume_is_decided_before_torch_is_imported(tmp_path):
+    """In a fresh interpreter (not the tests' fork server, which imported torch): a resume of a
+    folder that holds no run is refused before the import of torch (4 s here)."""
+    code = (
+        "import sys\nfrom recsys.cli import main\n"
+        f"code = main(['train', '--resume', {str(tmp_path / 'none')!r}])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
+    assert "no config.toml there" in proc.stderr

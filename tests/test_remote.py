@@ -141,19 +141,24 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
                 while c.info("replication").get("master_link_status") != "up":
                     time.sleep(0.02)
             out = tmp_path / "run"
+            ended, backed_up = threading.Event(), threading.Event()
 
             def lag_then_kill():
                 metrics = out / "metrics.jsonl"
                 while not (metrics.exists() and metrics.read_text().count("loss") >= 2):
-                    time.sleep(0.02)
+                    if ended.wait(0.02):
+                        return
                 rep = reps[2].procs[0]
                 rep.send_signal(signal.SIGSTOP)
                 # the run goes on until the stream to the replica backs up past the kernel's socket
                 # buffers (which the replica still reads once it runs again) into the primary's own:
                 # watched, not timed, as a loaded machine trains slowly
-                primary, deadline = redis.Redis(port=prim.ports[2]), time.monotonic() + 120
-                while primary.info("memory")["mem_clients_slaves"] < 2**20 and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                primary = redis.Redis(port=prim.ports[2])
+                while primary.info("memory")["mem_clients_slaves"] < 2**20:
+                    if ended.wait(0.02):
+                        rep.send_signal(signal.SIGCONT)
+                        return
+                backed_up.set()
                 prim.hold(2)
                 prim.kill(2)
                 time.sleep(0.2)
@@ -161,10 +166,14 @@ def test_a_lagging_replica_promoted_counts_the_updates_it_missed(tmp_path):
 
             t = threading.Thread(target=lag_then_kill, daemon=True)
             t.start()
-            flags = [*REPLICA, "--steps", "400", "--timeout", "2"]
+            flags = [*REPLICA, "--steps", "200", "--timeout", "2"]  # backed up by step 90 or so here
             flags += ["--redis", ",".join(prim.urls), "--replicas", ",".join(r.urls[0] for r in reps)]
-            s = train_cli(out, *flags)
-            t.join()
+            try:
+                s = train_cli(out, *flags)
+            finally:
+                ended.set()
+                t.join()
+            assert backed_up.is_set(), "the run ended before the stream to the stopped replica backed up"
         finally:
             for r in reps:
                 r.close()

@@ -9,9 +9,11 @@ interpreter's top level runs it (``runpy``) and exits with its status, as ``pyth
 The server reports the child's pid, then its exit status, on the request's connection.
 
 The child is a real process, the command line's real code in it; what differs from a fresh
-interpreter is only what was decided at import: the import-time environment (requests that set
-their own ``env`` are run by a fresh interpreter instead: ``tests/procs.py``). ``RECSYS_TEST_EXEC=1``
-runs every request in a fresh interpreter.
+interpreter is what was decided before the fork: the string-hash seed (every child shares the
+server's), the modules already imported (a test that a path avoids importing torch needs a fresh
+interpreter), and what the environment set at start (requests that set their own ``env``, or whose
+``IMPORT_TIME_ENV`` variables differ from the server's, run in a fresh interpreter: ``tests/procs.py``).
+``RECSYS_TEST_EXEC=1`` runs every request in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ import json
 import os
 import runpy
 import select
+import shutil
 import socket
 import struct
 import sys
 
 _HEADER = struct.Struct("!I")
+_SERVER_PID = os.getpid()
+# what the interpreter read as it started (hashing, warnings, paths) or a native library reads as it
+# loads (OpenMP): a request that sets these otherwise runs in a fresh interpreter (``tests/procs.py``)
+IMPORT_TIME_ENV = ("PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "LD_")
 
 
 def _warm() -> None:
@@ -67,7 +74,12 @@ def serve(path: str, parent: int) -> dict | None:
         ready, _, _ = select.select([server], [], [], 0.05)
         if ready:
             conn, _ = server.accept()
-            request, fds = _receive(conn)
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError) as e:  # a caller cut short (interrupted): the others go on
+                print(f"fork server: a request cut short: {e}", file=sys.stderr)
+                conn.close()
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -106,7 +118,11 @@ def _become(request: dict, fds: list[int]) -> None:
 
 
 def main() -> None:
-    request = serve(sys.argv[1], int(sys.argv[2]))
+    try:
+        request = serve(sys.argv[1], int(sys.argv[2]))
+    finally:
+        if os.getpid() == _SERVER_PID:  # the server's end (its parent went): its socket's folder too
+            shutil.rmtree(os.path.dirname(sys.argv[1]), ignore_errors=True)
     if request is None:
         return
     args = request["args"]
