@@ -136,18 +136,39 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+@contextlib.contextmanager
+def _environ(**values: str):
+    """``os.environ`` with ``values`` while the trainers run (torch's launcher adds its own), and as
+    the caller had it afterwards: ``recsys.train`` runs in the user's process, and its later runs
+    and children must not inherit a launch's settings."""
+    before = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k in set(os.environ) - set(before):
+            del os.environ[k]
+        os.environ.update(before)
 
-    # a fresh rendezvous store per launch; without it gloo's second attempt hangs (torch 2.13)
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    os.environ["RECSYS_SUPERVISED"] = "1"  # trainers leave their error lines to us
+
+def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
     # the agent's own reports of a dead worker are replaced by the one line below
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    # a killed trainer leaves a semaphore for multiprocessing's tracker to reap: not the user's concern
-    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
+    with _environ(
+        # a fresh rendezvous store per launch; without it gloo's second attempt hangs (torch 2.13)
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        RECSYS_SUPERVISED="1",  # trainers leave their error lines to us
+        # a killed trainer leaves a semaphore for multiprocessing's tracker to reap: not the user's concern
+        PYTHONWARNINGS="ignore::UserWarning:multiprocessing.resource_tracker",
+    ):
+        return _launch_trainers(cfg, urls, namespace, specs)
+
+
+def _launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     out = Path(cfg.train.out)
     restarts = 0
     while True:
