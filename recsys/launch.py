@@ -137,25 +137,29 @@ def _signal_name(code: int) -> str:
 
 
 @contextlib.contextmanager
-def _environ(**values: str):
-    """``os.environ`` with ``values`` while the trainers run (torch's launcher adds its own), and as
-    the caller had it afterwards: ``recsys.train`` runs in the user's process, and its later runs
-    and children must not inherit a launch's settings."""
+def _launch_settings(**env: str):
+    """``os.environ`` with ``env`` (torch's launcher adds its own) and torch's launch loggers quiet
+    while the trainers run; both as the caller had them afterwards: ``recsys.train`` runs in the
+    user's process, and its later runs and children must not inherit a launch's settings."""
     before = dict(os.environ)
-    os.environ.update(values)
+    # the agent's own reports of a dead worker are replaced by our one line
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [lg.level for lg in loggers]
+    os.environ.update(env)
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         for k in set(os.environ) - set(before):
             del os.environ[k]
         os.environ.update(before)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> dict | None:
-    # the agent's own reports of a dead worker are replaced by the one line below
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    with _environ(
+    with _launch_settings(
         # a fresh rendezvous store per launch; without it gloo's second attempt hangs (torch 2.13)
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         RECSYS_SUPERVISED="1",  # trainers leave their error lines to us

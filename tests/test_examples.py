@@ -1,6 +1,7 @@
 """The README's Python example, the example scripts and ``recsys compare``, run as a user runs them."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -113,9 +114,10 @@ def test_compare_two_runs_writes_its_table_and_plot(tmp_path):
     import recsys
     from recsys.testing import small_config
 
-    env = dict(os.environ)
+    env, level = dict(os.environ), logging.getLogger("torch.distributed.elastic").level
     a = recsys.train(small_config(tmp_path / "a"))
-    assert dict(os.environ) == env  # the launch's settings do not stay in the user's process
+    # the launch's settings do not stay in the user's process
+    assert dict(os.environ) == env and logging.getLogger("torch.distributed.elastic").level == level
     b = recsys.train(small_config(tmp_path / "b", recovery="partial", checkpoint_every=20, inject=["shard:2@step=30"]))
     proc = run(["-m", "recsys", "compare", str(a.path), str(b.path), "--out", str(tmp_path / "cmp")], cwd=ROOT)
     md = (tmp_path / "cmp" / "compare.md").read_text()
