@@ -41,6 +41,7 @@ if [ ! -f "$stamp" ]; then
   pip=(.venv/bin/pip install -q --disable-pip-version-check)
   if ! { "${pip[@]}" uv==0.13.8 >/dev/null 2>&1 && "${uv[@]}" -r requirements.txt &&
     "${uv[@]}" --no-deps torchrec==1.8.0 && "${uv[@]}" --no-deps --no-build-isolation -e .; }; then
+    echo "setup: uv could not install the set; installing it with pip" >&2
     "${pip[@]}" -r requirements.txt
     "${pip[@]}" --no-deps torchrec==1.8.0
     "${pip[@]}" --no-deps --no-build-isolation -e .
