@@ -86,7 +86,10 @@ def test_partial_recovery_restores_only_the_failed_remote_shard(tmp_path, server
     msg = f"seed {SEED}: {json.dumps(recs)}"
     assert [f["target"] for f in recs] == [shard], msg
     f = recs[0]
-    assert f["lost_updates"] > 0 and f["lost_samples"] > 0, msg
+    # updates are lost exactly when steps ran between the checkpoint and the failing step (a kill
+    # landing in the step right after a checkpoint loses nothing: that step is retried)
+    lost = f["step"] - 1 > f["restored_from_step"]
+    assert (f["lost_updates"] > 0 and f["lost_samples"] > 0) == lost, msg
     assert f["lost_samples"] <= (f["step"] - 1 - f["restored_from_step"]) * 256 + 1e-6, msg
     assert s["pls"] == pytest.approx(f["lost_samples"] / s["samples_trained"], rel=1e-6)
     # the other servers kept running: only the failed one was restarted
