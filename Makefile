@@ -6,7 +6,7 @@ TRAIN_ARGS ?=
 JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: setup train test test-fast lint bench-store bench-data bench-throughput clean
+.PHONY: setup train test test-fast lint bench-store bench-data bench-throughput bench-fault-timing clean
 
 setup:
 	@bash scripts/setup.sh
@@ -39,6 +39,9 @@ bench-data: setup
 
 bench-throughput: setup
 	$(PY) scripts/bench_throughput.py
+
+bench-fault-timing: setup
+	$(PY) scripts/bench_fault_timing.py
 
 clean:
 	rm -rf .venv runs

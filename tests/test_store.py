@@ -98,7 +98,8 @@ def test_unreachable_endpoint_raises_typed_error_within_timeout():
         t0 = time.monotonic()
         with pytest.raises(ShardUnavailableError, match=rf"shard 0 at redis://127.0.0.1:{port}/0 is unavailable"):
             st.pull("small", np.arange(3))
-        assert time.monotonic() - t0 < 1.5
+        # a hang guard only: how soon the typed error comes is scripts/bench_fault_timing.py's figure
+        assert time.monotonic() - t0 < 10
 
 
 def test_wrong_password_and_acl_user(namespace):
@@ -132,12 +133,19 @@ def test_killed_and_stalled_shards_raise_within_timeout(namespace):
         with RedisStore(sh.urls, TABLES, SGD(), namespace=namespace, timeout_s=0.5) as st:
             ids = np.arange(200)
             st.pull("small", ids)
+            admin = redis.Redis(port=sh.ports[1])
+            accepted = admin.info("stats")["total_connections_received"]
             sh.stall(1)
             t0 = time.monotonic()
             with pytest.raises(ShardTimeoutError, match=f"shard 1 at redis://127.0.0.1:{sh.ports[1]}/0"):
                 st.pull("small", ids)
-            assert time.monotonic() - t0 < 1.2
+            assert time.monotonic() - t0 < 10  # a hang guard; the latency is the timing benchmark's
             sh.resume(1)
+            time.sleep(0.2)  # lets the resumed server accept what queued while it was stopped
+            # one try: the timed-out call was not redone on a new connection behind the caller's back
+            # (the stalled server accepts the queued connections once it runs again)
+            assert admin.info("stats")["total_connections_received"] == accepted
+            admin.close()
             sh.kill(0)
             with pytest.raises(ShardUnavailableError, match=f"shard 0 at redis://127.0.0.1:{sh.ports[0]}/0") as ei:
                 st.pull("small", ids)
