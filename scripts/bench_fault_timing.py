@@ -18,6 +18,7 @@ bound the project claims for it:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -128,7 +129,7 @@ def main() -> int:
     print("| figure | median | range | n | claimed bound | verdict |")
     print("| --- | --- | --- | --- | --- | --- |", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-fault-timing-") as tmp:
-        runs = iter(Path(tmp) / f"run{i}" for i in range(10**6))
+        runs = (Path(tmp) / f"run{i}" for i in itertools.count())
         # (kind, figure, one measurement -> values, unit, low, high, claim)
         figures = [
             ("store", "store: unreachable endpoint -> typed error (timeout 1.0 s)",
