@@ -48,6 +48,7 @@ from embeddings.errors import (
 )
 from embeddings.held import HeldRows
 from embeddings.optim import RowOptimizer
+from embeddings.outage import OutageRows
 from embeddings.rowinit import init_rows_keys
 from embeddings.shard_map import ShardMap
 from embeddings.store import IdsByTable, StoreBase
@@ -118,6 +119,9 @@ class RedisStore(StoreBase):
         self.held: HeldRows | None = None
         self._last_held_read: tuple[int, np.ndarray, np.ndarray] | None = None  # (held version, keys, rows)
         self._from_redis = 0  # > 0: reads skip held rows (evaluation, digest: what the tier holds)
+        # the rows of shards that are away (restored in the background under --train-through):
+        # reads of their rows are answered here, never by their servers (``embeddings.outage``)
+        self.outage: OutageRows | None = None
         if self.cluster is not None:
             try:
                 ranges = owners(self.cluster, kwargs)
@@ -370,8 +374,18 @@ class RedisStore(StoreBase):
         self._on_shards({s: push_to(s, g) for s, g in plan.items()})
 
     def read_keys(self, keys: np.ndarray) -> np.ndarray:
-        """Rows of sorted packed keys: held rows by one gather, never-written rows by the lazy init,
-        the rest read from their shards."""
+        """Rows of sorted packed keys: rows of shards away from their outage's rows, held rows by one
+        gather, never-written rows by the lazy init, the rest read from their shards."""
+        away = self.outage.split(keys) if self.outage is not None and not self._from_redis else None
+        if away is None:
+            return self._read_present(keys)
+        out = np.empty((len(keys), self.width(int(keys[0] >> rowkeys.ROW_BITS))), np.float32)
+        out[away] = self.outage.read(keys[away])
+        if not away.all():
+            out[~away] = self._read_present(keys[~away])
+        return out
+
+    def _read_present(self, keys: np.ndarray) -> np.ndarray:
         if self.held is None or self._from_redis or not len(keys):
             return super().read_keys(keys)
         last = self._last_held_read
@@ -557,16 +571,19 @@ class RedisStore(StoreBase):
                 self._timed_out[shard] = time.monotonic()
                 raise
 
+    def initial_rows(self, keys: np.ndarray) -> np.ndarray:
+        """The initial rows [n, width] of packed keys of tables of one row width (lazy-init weights,
+        zero optimizer state)."""
+        t = int(keys[0] >> rowkeys.ROW_BITS) if len(keys) else 0
+        dim = self.tables.specs[t].dim
+        rows = np.zeros((len(keys), self.width(t)), np.float32)
+        rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
+        return rows
+
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
         """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
         widths = [self.width(t) for t in range(len(self.tables.specs))]
-
-        def init(keys: np.ndarray) -> np.ndarray:  # held tables share one row width, hence one dim
-            t = int(keys[0] >> rowkeys.ROW_BITS)
-            dim = self.tables.specs[t].dim
-            rows = np.zeros((len(keys), self.width(t)), np.float32)
-            rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
-            return rows
+        init = self.initial_rows  # held tables share one row width, hence one dim
 
         self.held = HeldRows(
             self.tables,

@@ -48,6 +48,8 @@ class RecoverySettings:
     replica_wait: bool = False
     write_behind: bool = False
     write_every: int = 1
+    train_through: bool = False
+    through_budget_mb: float = 1024.0
 
 
 class RecoveryParts(NamedTuple):
@@ -140,5 +142,8 @@ def build_recovery(
         write_behind=rc.write_behind and world == 1 and store.held is not None,
         write_every=rc.write_every,
         committer_of=committer_of,
+        train_through=rc.train_through,
+        through_budget_bytes=int(rc.through_budget_mb * (1 << 20)),
+        warn=warn or print,
     )
     return RecoveryParts(manager, ckpt, injector)

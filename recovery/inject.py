@@ -12,6 +12,8 @@ seconds after training started, fired from a timer wherever the trainers are) or
                             (default: just before the first restore reads it)
 - ``corrupt-log:K@step=N``  flip a byte in the middle of shard K's newest log segment at the start of
                             step N (a disk that damaged a record the log already holds)
+- ``slow-restore:K:SECS``   the next restore of shard K takes SECS seconds longer (a large shard or a
+                            slow network, in tests and benchmarks)
 - ``corrupt-dense@step=N``  flip a byte of the per-step dense state (``dense_latest.pt``) in step N,
                             after the step's writes (pair it with ``trainer:0@step=N``: the restart
                             finds it damaged)
@@ -45,10 +47,11 @@ _PATTERNS = {
     "corrupt-checkpoint": re.compile(r"corrupt-checkpoint:latest(?:@step=(\d+))?"),
     "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
     "corrupt-dense": re.compile(r"corrupt-dense@step=(\d+)"),
+    "slow-restore": re.compile(r"slow-restore:(\d+):(\d+(?:\.\d+)?)"),
 }
 USAGE = (
     "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
-    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N or corrupt-dense@step=N"
+    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N or slow-restore:K:SECONDS"
 )
 
 
@@ -74,6 +77,8 @@ class Injection:
             return "corrupt-checkpoint:latest" + (f"@step={self.step}" if self.step else "")
         if self.kind == "corrupt-dense":
             return f"corrupt-dense@step={self.step}"
+        if self.kind == "slow-restore":
+            return f"slow-restore:{self.target}:{self.seconds:g}"
         tail = f":{self.seconds:g}" if self.kind == "stall" else ""
         return f"{self.kind}:{self.target}@{self.when}{tail}"
 
@@ -99,6 +104,8 @@ def parse_injection(spec: str) -> Injection:
             return Injection(kind, int(g[0]), int(g[1]))
         if kind == "corrupt-dense":
             return Injection(kind, None, int(g[0]))
+        if kind == "slow-restore":
+            return Injection(kind, int(g[0]), None, float(g[1]))
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
         if during is not None and kind != "shard":
             raise InjectionSpecError(f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...)")
@@ -267,6 +274,19 @@ class Injector:
         for inj in self.injections:
             if inj.during == phase and inj.target != exclude and self._mine(inj):
                 self._fire(inj)
+
+    def restore_delay(self, shard: int) -> float:
+        """``slow-restore:K:SECS``: the seconds the restore of ``shard`` beginning now takes longer
+        (once per injection; recorded as fired)."""
+        delay = 0.0
+        for inj in self.injections:
+            if inj.kind == "slow-restore" and inj.target == shard and self._mine(inj):
+                with self._lock:
+                    if str(inj) in self._fired:
+                        continue
+                    self._record(inj, [])
+                delay += inj.seconds
+        return delay
 
     def before_restore(self, latest_checkpoint_file) -> None:
         for inj in self.injections:

@@ -40,6 +40,8 @@ class Recovery(Protocol):
     def state(self) -> dict: ...
     def load_state(self, state: dict) -> None: ...
     def close(self) -> None: ...
+    def poll_outage(self, step: int) -> None: ...
+    def end_outage(self, step: int, why: str | None = None) -> None: ...
 
 
 class NoRecovery:
@@ -113,6 +115,12 @@ class NoRecovery:
         pass
 
     def close(self) -> None:
+        pass
+
+    def poll_outage(self, step: int) -> None:
+        pass
+
+    def end_outage(self, step: int, why: str | None = None) -> None:
         pass
 
 

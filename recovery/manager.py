@@ -37,6 +37,7 @@ from recovery.restart import Restarts
 from recovery.restore import ShardRestore
 from recovery.restorers import RESTORERS, Full
 from recovery.strategy import Strategy
+from recovery.through import THROUGH_PHASES, TrainThrough
 from recovery.writer import SparseWriter
 
 STRATEGIES = tuple(s.value for s in Strategy)
@@ -77,6 +78,9 @@ class RecoveryManager:
     # step -> a wait that makes the dense state saved at ``step`` the restart point (or None): a
     # window's write runs it before its rows move (``DenseSaver.committer``)
     committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None
+    train_through: bool = False  # a failed shard is restored in the background (``recovery.through``)
+    through_budget_bytes: int = 1 << 30  # what one trainer's outage rows and kept gradients may take
+    warn: Callable[[str], None] = print  # where a line for the person at the terminal goes
 
     def __post_init__(self) -> None:
         try:
@@ -129,6 +133,27 @@ class RecoveryManager:
             self.flusher,
             self.checkpointer,
             self.injector,
+        )
+        self.through = (
+            TrainThrough(
+                self.store,
+                self.strategy,
+                self.rank,
+                self.collective,
+                self.detector,
+                self.writes,
+                self.ledger,
+                self.journal,
+                lambda ledger, journal: RESTORERS[self.strategy](
+                    self.tools, ledger, self.writes, journal, self.priority, self.flusher, self.log_dir
+                ),
+                self.tools,
+                self.through_budget_bytes,
+                self.warn,
+                self.drain,
+            )
+            if self.train_through
+            else None
         )
         self._restored: dict[int, tuple[int, int]] = {}  # shard -> (restored from, newest step restored)
         self._rebuild = False  # resume from a checkpoint's dense state: every shard restored from it
@@ -243,12 +268,18 @@ class RecoveryManager:
 
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
         """Every trainer: background writes settle, rank 0 restores (its restorer), all learn its
-        verdict, then reconnect to (or fail over to) the recovered shards and hold their rows again."""
+        verdict, then reconnect to (or fail over to) the recovered shards and hold their rows again.
+        With ``--train-through`` a failure in a step's stage or update is restored in the background
+        instead (``recovery.through``); an outage in progress ends first (the run waits for it)."""
         n = self.store.num_shards
+        if self.through is not None:
+            self.through.end(step, f"shards {failed} failed meanwhile")
         # every trainer's background writes (logs, priority saves, flushes) are on disk: rank 0 reads them
         self.wait_background()
         if self.logs or self.log_dir is not None or self.strategy.priority_saves or self.strategy.flushes:
             self.collective.barrier()
+        if self.through is not None and phase in THROUGH_PHASES:
+            return self.through.begin(failed, step, phase)
         mine, error = None, None
         if self.rank == 0:
             try:
@@ -287,6 +318,17 @@ class RecoveryManager:
         verdict = restorer.recover(failed, step, phase)
         self.journal.mark_in_recovery([])
         return verdict
+
+    # -- training through a failure (``recovery.through``) ---------------------------------------
+    def poll_outage(self, step: int) -> None:
+        """At the start of every step (every trainer): shards whose background restore is done rejoin."""
+        if self.through is not None:
+            self.through.poll(step)
+
+    def end_outage(self, step: int, why: str | None = None) -> None:
+        """Before anything that reads every shard: the run waits for a background restore in flight."""
+        if self.through is not None:
+            self.through.end(step, why)
 
     def summary_failures(self) -> list[dict]:
         return self.journal.summary()

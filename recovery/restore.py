@@ -106,6 +106,10 @@ class ShardRestore:
         """The shard back as of ``ckpt`` (empty without one); -> bytes restored. A local shard: kill
         whatever runs for it, start a replacement that loads the checkpoint's file. A remote one:
         wait for its supervisor to bring it back, then load the rows through the protocol."""
+        delay = self.injector.restore_delay(shard) if self.injector is not None else 0.0
+        if delay:
+            time.sleep(delay)  # --inject slow-restore:K:SECS
+            lap("slow_restore")
         spec = self.local.get(shard)
         if spec is None:
             self.await_server(shard)

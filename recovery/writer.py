@@ -108,6 +108,11 @@ class SparseWriter:
             for s in self.logs if only is None else sorted(set(only) & set(self.logs)):
                 if not rows_of[s]:
                     self.log_step(step, s, keys[:0], np.zeros((0, 0), np.float32), wait=not behind)
+        away = self.store.outage.split(keys) if self.store.outage is not None else None
+        if away is not None:  # rows of shards restored in the background (--train-through)
+            self._apply_away(keys[away], grads[torch.from_numpy(np.flatnonzero(away))], shards[away], step)
+            here = np.flatnonzero(~away)
+            keys, grads, shards = keys[here], grads[torch.from_numpy(here)], shards[here]
         if not len(keys):
             return
         try:
@@ -133,6 +138,18 @@ class SparseWriter:
                 if s not in failed:
                     at = np.flatnonzero(shards == s)
                     self._written(s, step, keys[at], new[at])
+
+    def _apply_away(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
+        """A step's rows of shards that are away: updated in their outage's rows (``embeddings.outage``);
+        the exact ones go to the logs as usual (a step with none logs an empty record: the log stays
+        whole), the others keep their gradients for the restored rows."""
+        current = self.store.read_keys(keys)
+        new = self.store.optimizer.apply(torch.from_numpy(current), grads, step).numpy()
+        g = grads.detach().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads, np.float32)
+        exact = self.store.outage.update(keys, new, g, step)
+        for s in np.unique(shards).tolist():
+            at = np.flatnonzero((shards == s) & exact)
+            self.log_step(step, s, keys[at], new[at] if len(at) else np.zeros((0, 0), np.float32))
 
     def _hand_behind(self, owned, step, keys, current, new, shards, durable) -> None:
         if self._behind is not None and self.window is None:

@@ -22,6 +22,30 @@ from recsys.sparse import StepUpdate, aggregate
 DIGEST_BLOCK = 65536
 
 
+def all_gather_keys(keys: np.ndarray) -> np.ndarray:
+    """The sorted union of every trainer's packed keys (two collectives: the counts, the keys)."""
+    import torch.distributed as dist
+
+    n = torch.tensor([len(keys)], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, n)
+    most = max(int(c.item()) for c in counts)
+    mine = torch.full((most,), -1, dtype=torch.int64)
+    mine[: len(keys)] = torch.from_numpy(np.asarray(keys, np.int64))
+    parts = [torch.empty(most, dtype=torch.int64) for _ in counts]
+    dist.all_gather(parts, mine)
+    every = torch.cat(parts).numpy()
+    return np.unique(every[every >= 0])
+
+
+def all_reduce_sum(a: np.ndarray) -> np.ndarray:
+    import torch.distributed as dist
+
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    dist.all_reduce(t)
+    return t.numpy()
+
+
 class StagedRows:
     """Rows pulled for the batch about to run; forward takes them instead of pulling again."""
 
@@ -138,12 +162,23 @@ class StoreBackend(Backend):
         self.ebc.prepare(batch)
 
     def prefetch(self, batch: Batch | None) -> None:
-        if self.prefetcher is not None and batch is not None:
+        away = self.store.outage is not None and self.store.outage.active
+        if self.prefetcher is not None and batch is not None and not away:  # rows away: read at the stage
             self.prefetcher.prefetch(self.ebc.unique_keys(batch.sparse_features))
 
     def stage(self, batch: Batch) -> None:
-        """Pull this batch's rows now (a shard failure surfaces here, before any compute)."""
-        self.stager.stage(self.ebc.unique_keys(batch.sparse_features))
+        """Pull this batch's rows now (a shard failure surfaces here, before any compute). Rows of
+        shards away (``--train-through``) are served first, the same on every trainer."""
+        keys = self.ebc.unique_keys(batch.sparse_features)
+        outage = self.store.outage
+        if outage is not None and outage.active:
+            away = outage.split(keys)
+            mine = keys[away] if away is not None else keys[:0]
+            if self.world_size > 1:
+                outage.serve(mine, all_gather_keys, all_reduce_sum)
+            else:
+                outage.serve(mine)
+        self.stager.stage(keys)
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""

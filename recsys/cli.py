@@ -179,6 +179,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         float,
         "shards given by URL: seconds a failed shard's server has to come back before the run stops (resumable)",
     ),
+    "--through-budget-mb": (
+        "recovery",
+        "through_budget_mb",
+        float,
+        "with --train-through: MB one trainer's outage rows and kept gradients may take before the run waits "
+        "for the restore",
+    ),
     "--max-restarts": (
         "recovery",
         "max_restarts",
@@ -197,6 +204,7 @@ _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS
     "train.save_model": "--save-model",
     "train.tensorboard": "--tensorboard",
     "recovery.priority_half": "--priority-half",
+    "recovery.train_through": "--train-through",
     "recovery.inject": "--inject",
 }
 RESUME_FLAGS = {_FLAG_OF[k] for k in RESUME_MAY_CHANGE if k in _FLAG_OF and k != "train.out"}
@@ -226,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help="inject a failure (repeatable): shard:K@WHEN | stall:K@WHEN:SECONDS | trainer:R@WHEN | node:R@WHEN | "
-        "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N | corrupt-dense@step=N; WHEN is step=N, t=SECONDS (after training started) or, for shard "
+        "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N | corrupt-dense@step=N | slow-restore:K:SECONDS (the next restore of shard K takes that "
+        "much longer); WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
     tr.add_argument(
@@ -255,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--priority-half",
         action="store_true",
         help="partial-mfu/ssu and incremental: saved weights as float16 (optimizer state stays float32)",
+    )
+    tr.add_argument(
+        "--train-through",
+        action="store_true",
+        help="a failed shard is restored in the background while every trainer keeps stepping (partial, "
+        "partial-mfu, partial-ssu, incremental, log); rows its writer caches are read exactly, others from "
+        "their fallback (counted), and their updates are applied to the restored rows when it rejoins",
     )
     tr.add_argument(
         "--resume",
@@ -341,6 +357,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["embeddings"]["replica_wait"] = True
     if args.priority_half:
         sections["recovery"]["priority_half"] = True
+    if args.train_through:
+        sections["recovery"]["train_through"] = True
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
     if under_torchrun:
         # the launcher sets the world; batch divisibility is checked against it

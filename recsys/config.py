@@ -351,6 +351,15 @@ class RecoveryConfig:
     """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
     rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
 
+    train_through: bool = False
+    """A failed shard is restored in the background while every trainer keeps stepping (partial,
+    partial-mfu, partial-ssu, incremental, log): its writer's cached rows are read exactly, other rows
+    from a fallback (counted), their updates applied to the restored rows when the shard rejoins.
+    Each step's rows are written before the next (no write-behind)."""
+    through_budget_mb: float = 1024.0
+    """With train_through: MB one trainer's outage rows and kept gradients may take; past it the run
+    waits for the restore (one line)."""
+
     shard_restart_timeout: float = 60.0
     """Shards given by URL: seconds a failed shard's server has to come back (its supervisor restarts
     it) before the run stops with an error; the run can then be finished with --resume OUT."""
@@ -408,6 +417,17 @@ class RecoveryConfig:
             "must be >= 0 (0: never stop)",
         )
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        if self.train_through:
+            from recovery.through import THROUGH
+
+            _check(
+                strategy in THROUGH,
+                "recovery",
+                self.recovery,
+                "--train-through restores in the background under partial, partial-mfu, partial-ssu, incremental "
+                "or log; full rolls every trainer back and replica promotes instead of restoring",
+            )
+        _check(self.through_budget_mb > 0, "through_budget_mb", self.through_budget_mb, "must be > 0")
         _check(self.shard_restart_timeout > 0, "shard_restart_timeout", self.shard_restart_timeout, "must be > 0")
         try:
             parse_fsync_policy(self.log_fsync)
@@ -446,14 +466,14 @@ class RunConfig:
     def __post_init__(self) -> None:
         rc = self.recovery
         for inj in rc.injections:
-            if inj.kind in ("shard", "stall", "node"):
+            if inj.kind in ("shard", "stall", "node", "slow-restore"):
                 _check(
                     self.embeddings.embeddings == "redis",
                     "inject",
                     str(inj),
                     "shard failures act on the Redis tier (--embeddings redis)",
                 )
-            if inj.kind in ("shard", "stall"):
+            if inj.kind in ("shard", "stall", "slow-restore"):
                 n = len(self.embeddings.urls) or self.embeddings.shards
                 _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
             if inj.kind in ("trainer", "node"):
@@ -481,6 +501,19 @@ class RunConfig:
                 "recovery",
                 rc.recovery,
                 "replica recovery needs a replica per shard (--replicas local or URLs) or a Redis Cluster",
+            )
+        if rc.train_through:
+            _check(
+                self.embeddings.embeddings == "redis",
+                "train_through",
+                True,
+                "trains through a failure of the Redis tier (--embeddings redis)",
+            )
+            _check(
+                self.embeddings.write_every == 1,
+                "write_every",
+                self.embeddings.write_every,
+                "--train-through writes each step's rows before the next: no windows",
             )
         if self.embeddings.write_every > 1:
             _check(

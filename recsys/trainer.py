@@ -122,8 +122,10 @@ def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
         priority_half=rc.priority_half,
         shard_restart_timeout=rc.shard_restart_timeout,
         replica_wait=e.replica_wait,
-        write_behind=e.write_behind,
+        write_behind=e.write_behind and not rc.train_through,  # train-through writes each step's rows at once
         write_every=e.write_every,
+        train_through=rc.train_through,
+        through_budget_mb=rc.through_budget_mb,
     )
 
 
@@ -313,6 +315,7 @@ class Trainer:
         step = self.step
         self._t_step = time.perf_counter()
         self.clock.start(self._t_step)
+        self.recovery.poll_outage(step)  # shards restored in the background rejoin here (--train-through)
         if self.injector is not None:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
             self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0), settle)
@@ -379,6 +382,7 @@ class Trainer:
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
         if reads:  # saves and evaluation read the shards as of this step
+            self.recovery.end_outage(step + 1)  # a shard restored in the background rejoins first
             out = self.recovery.commit_behind(step, reads=True)
             if out.rolled_back:
                 return out
@@ -577,6 +581,7 @@ class Trainer:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
         self.clock.mark(self.steps)
+        self.recovery.end_outage(self.steps + 1)  # a shard restored in the background rejoins first
         out = self.recovery.commit_behind(self.steps, reads=True)  # the last step's write-behind
         if out.rolled_back:
             return out, None

@@ -1,0 +1,210 @@
+"""Rows of shards that are away: served from memory while their servers are restored in the background.
+
+While a failed shard is restored (``--train-through``), nothing reads or writes its server. Its
+writer keeps its rows here instead (``OutageRows``), seeded with the rows it held when the shard
+failed:
+
+- an **exact** row has the value the restored shard will hold (a row the writer held, where the
+  restore brings the shard back to what its writer wrote; a row known never written): it is read
+  and updated as usual, and the value it ends with is written to the shard when it rejoins;
+- any other row is read from a **fallback** value (the writer's last value where it held one,
+  else the row's initial value) and counted; its updates keep their summed gradients, in step
+  order, and are applied to the row's restored value when the shard rejoins (``kept``). Until then
+  the fallback row trains on with those updates applied to it (a shadow of the row), so that the
+  steps of the outage read what they wrote.
+
+Every trainer must read the same value for a row in a step. The writer answers for its shards; with
+several trainers the step's keys of shards that are away are gathered from every trainer and the
+writers' rows handed to all (``serve``: an all-reduce of their bit patterns, exact), before anything
+reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class _Shard:
+    keys: np.ndarray  # sorted packed keys
+    rows: np.ndarray  # [n, width] float32
+    exact: np.ndarray  # bool [n]
+    dirty: np.ndarray  # bool [n]: an exact row written during the outage
+    kept: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (step, keys, grads)
+    kept_bytes: int = 0
+
+
+@dataclass
+class OutageCounts:
+    """What an outage cost in rows, per shard: reads answered exactly, reads from the fallback,
+    and (row, step) updates kept for the restored rows."""
+
+    exact_reads: int = 0
+    fallback_reads: int = 0
+    late_updates: int = 0
+
+
+class OutageRows:
+    """The rows of the shards that are away, on every trainer; the writer of a shard answers for it.
+
+    ``init(keys)``: the rows' initial values [n, width] (lazy-init weights, zero state);
+    ``shard_of(keys)``: the shard of each packed key; ``mine``: the shards this trainer writes;
+    ``budget_bytes``: what the rows and kept gradients of this trainer's shards away may take."""
+
+    def __init__(
+        self,
+        init: Callable[[np.ndarray], np.ndarray],
+        shard_of: Callable[[np.ndarray], np.ndarray],
+        mine: set[int],
+        budget_bytes: int,
+    ) -> None:
+        self.init, self.shard_of, self.mine, self.budget_bytes = init, shard_of, set(mine), budget_bytes
+        self._shards: dict[int, _Shard] = {}
+        self.away: set[int] = set()  # every trainer's view: the shards whose reads are answered here
+        self.counts: dict[int, OutageCounts] = {}
+        self._served: tuple[np.ndarray, np.ndarray] | None = None  # rows handed to all this step
+        # keys -> which are known never written (their initial value is exact), on the writer
+        self.absent: Callable[[np.ndarray], np.ndarray] | None = None
+
+    # -- an outage begins and ends ----------------------------------------------------------------
+    def begin(self, shard: int, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> None:
+        """Shard ``shard`` is away from now on; its writer passes the rows it held (sorted keys)."""
+        self.away.add(shard)
+        self.counts[shard] = OutageCounts()
+        if shard in self.mine:
+            n = len(keys)
+            self._shards[shard] = _Shard(
+                np.asarray(keys, np.int64).copy(), np.array(rows, np.float32), exact.copy(), np.zeros(n, bool)
+            )
+
+    def end(self, shard: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray, np.ndarray]]] | None:
+        """The shard rejoins: -> (keys, rows) of the exact rows written during the outage and the
+        kept updates (step, keys, grads) in step order, on its writer; None elsewhere."""
+        self.away.discard(shard)
+        self._served = None
+        sh = self._shards.pop(shard, None)
+        if sh is None:
+            return None
+        return sh.keys[sh.dirty], sh.rows[sh.dirty], sh.kept
+
+    @property
+    def active(self) -> bool:
+        return bool(self.away)
+
+    def used_bytes(self) -> int:
+        return sum(sh.rows.nbytes + sh.keys.nbytes + sh.kept_bytes for sh in self._shards.values())
+
+    def over_budget(self) -> bool:
+        return self.used_bytes() > self.budget_bytes
+
+    # -- reads ------------------------------------------------------------------------------------
+    def split(self, keys: np.ndarray) -> np.ndarray | None:
+        """A mask of ``keys`` whose shards are away (None: none is)."""
+        if not self.away or not len(keys):
+            return None
+        mask = np.isin(self.shard_of(keys), list(self.away))
+        return mask if mask.any() else None
+
+    def _find(self, shard: int, keys: np.ndarray) -> np.ndarray:
+        """Positions of ``keys`` (sorted) in the shard's rows, adding fallback rows for keys not there."""
+        sh = self._shards[shard]
+        pos = np.searchsorted(sh.keys, keys)
+        found = pos < len(sh.keys)
+        found[found] = sh.keys[pos[found]] == keys[found]
+        if not found.all():
+            new = keys[~found]
+            keys_all = np.concatenate([sh.keys, new])
+            order = np.argsort(keys_all, kind="stable")
+            sh.keys = keys_all[order]
+            sh.rows = np.concatenate([sh.rows, self.init(new)])[order]
+            known = self.absent(new) if self.absent is not None else np.zeros(len(new), bool)
+            sh.exact = np.concatenate([sh.exact, known])[order]
+            sh.dirty = np.concatenate([sh.dirty, np.zeros(len(new), bool)])[order]
+            pos = np.searchsorted(sh.keys, keys)
+        return pos
+
+    def own_rows(self, keys: np.ndarray, count: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` (sorted, all of shards this trainer writes that are away) and which are exact."""
+        shards = self.shard_of(keys)
+        rows = np.empty((len(keys), self._width(keys)), np.float32)
+        exact = np.zeros(len(keys), bool)
+        for s in np.unique(shards).tolist():
+            at = np.flatnonzero(shards == s)
+            pos = self._find(s, keys[at])
+            sh = self._shards[s]
+            rows[at] = sh.rows[pos]
+            exact[at] = sh.exact[pos]
+            if count:
+                c = self.counts[s]
+                n_exact = int(sh.exact[pos].sum())
+                c.exact_reads += n_exact
+                c.fallback_reads += len(at) - n_exact
+        return rows, exact
+
+    def _width(self, keys: np.ndarray) -> int:
+        for sh in self._shards.values():
+            return sh.rows.shape[1]
+        return self.init(keys[:1]).shape[1]
+
+    def serve(self, keys: np.ndarray, all_gather_keys=None, all_reduce_sum=None) -> None:
+        """The step's rows of shards away, the same on every trainer: ``keys`` (sorted) are this
+        trainer's; with collectives (several trainers), every trainer's keys are gathered and each
+        writer's rows summed into one table (bit patterns as int64: a sum with zeros is exact)."""
+        if all_gather_keys is None:
+            mine = keys[np.isin(self.shard_of(keys), list(self.mine & self.away))]
+            if len(mine):
+                self.own_rows(mine, count=True)
+            self._served = None
+            return
+        union = all_gather_keys(keys)
+        if not len(union):
+            self._served = (union, np.empty((0, 0), np.float32))
+            return
+        width = self._width(union)
+        bits = np.zeros((len(union), width), np.int64)
+        at = np.flatnonzero(np.isin(self.shard_of(union), list(self.mine & self.away)))
+        if len(at):
+            rows, _ = self.own_rows(union[at], count=True)
+            bits[at] = rows.view(np.int32).astype(np.int64)
+        total = all_reduce_sum(bits)
+        self._served = (union, total.astype(np.int32).view(np.float32).reshape(len(union), width))
+
+    def read(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of ``keys`` (sorted, every one of a shard away) as this step reads them."""
+        own = np.isin(self.shard_of(keys), list(self.mine))
+        if own.all() and self._served is None:
+            return self.own_rows(keys)[0]
+        if self._served is None:
+            raise RuntimeError("rows of a shard that is away were read before the step's rows were served")
+        union, rows = self._served
+        pos = np.searchsorted(union, keys)
+        if (pos >= len(union)).any() or not np.array_equal(union[np.minimum(pos, len(union) - 1)], keys):
+            raise RuntimeError("rows of a shard that is away were read outside the step's served rows")
+        return rows[pos]
+
+    # -- writes -----------------------------------------------------------------------------------
+    def update(self, keys: np.ndarray, new: np.ndarray, grads, step: int) -> np.ndarray:
+        """A step's updated rows of shards away (sorted keys, new values, the summed gradients that
+        made them): exact rows take their value; fallback rows keep their gradients for the restored
+        value (and train on from the shadow). -> the mask of exact rows (logged as usual)."""
+        shards = self.shard_of(keys)
+        exact = np.zeros(len(keys), bool)
+        g = np.asarray(grads, np.float32)
+        for s in np.unique(shards).tolist():
+            at = np.flatnonzero(shards == s)
+            pos = self._find(s, keys[at])
+            sh = self._shards[s]
+            sh.rows[pos] = new[at]
+            ex = sh.exact[pos]
+            sh.dirty[pos[ex]] = True
+            exact[at] = ex
+            if (~ex).any():
+                kk, gg = keys[at][~ex].copy(), g[at][~ex].copy()
+                sh.kept.append((step, kk, gg))
+                sh.kept_bytes += kk.nbytes + gg.nbytes
+                self.counts[s].late_updates += len(kk)
+        self._served = None
+        return exact

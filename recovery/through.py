@@ -1,0 +1,285 @@
+"""Training through a shard's failure (``--train-through``): nobody waits for a restore.
+
+When a shard fails in a step's stage or update (the phases every step runs), the trainers agree on
+it at the commit point as usual, but instead of waiting for rank 0 to restore it:
+
+1. the shard goes **away** on every trainer: its writer seeds the shard's outage rows
+   (``embeddings.outage.OutageRows``) with the rows it held, exact under ``log`` (its log brings
+   the shard back to exactly what it wrote), a fallback under the partial strategies (the restore
+   takes the shard back to an older state); a row known never written is exact under any;
+2. rank 0 runs the strategy's restorer on a background thread (replacement server, checkpoint,
+   then the overlay: priority save, flushes or log replay), with the update counts as of the failure;
+3. the phase runs again on the shard, and the steps go on: reads of its rows are answered from the
+   outage rows (with several trainers, handed to all: every trainer reads the same value), exact
+   updates land there, and the other rows keep their summed gradients in step order;
+4. at the start of every step the trainers agree (one collective) whether the restore is done; once
+   it is, the shard **rejoins** there: every trainer reconnects, its writer applies the kept
+   gradients to the restored rows, writes those and the exact rows it updated (logging the late
+   ones under ``log``: the log holds what the shard holds), and the failure's record is written
+   with what the outage cost (``trained_through_steps``, ``waited_s``, rows read exactly and from
+   the fallback, updates applied late).
+
+The run waits for the restore instead (``end``, one line where it is not a save's) before anything
+that reads every shard (a checkpoint, a priority save, a flush, an evaluation, the end), when
+another shard fails, and when the outage rows and kept gradients of a trainer pass the budget
+(``--through-budget-mb``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from embeddings import RedisStore, ShardUnavailableError, rowkeys
+from embeddings.held import ABSENT
+from embeddings.outage import OutageRows
+from recovery.accounting import Ledger
+from recovery.errors import RecoveryError
+from recovery.journal import Journal
+from recovery.protocol import Action, Collective, Detector, Outcome, Verdict
+from recovery.strategy import Strategy
+
+THROUGH = (Strategy.PARTIAL, Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU, Strategy.INCREMENTAL, Strategy.LOG)
+THROUGH_PHASES = ("stage", "update")  # a failure seen in any other phase is waited for
+
+
+class DeferredJournal:
+    """The background restore's journal: notes go through at once; its records wait for the rejoin,
+    where what the outage cost is added to them."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.finished: list[tuple[dict, str]] = []
+
+    def note(self, what: str) -> None:
+        self.journal.note(what)
+
+    def mark_in_recovery(self, shards: list[int]) -> None:
+        self.journal.mark_in_recovery(shards)
+
+    def finish(self, rec: dict, phase: str) -> None:
+        rec["restore_s"] = round(time.time() - rec["_detected_at"], 4)
+        self.finished.append((rec, phase))
+
+
+class TrainThrough:
+    """The outages of one trainer's run: begun at a commit point, polled at every step's start,
+    ended at a rejoin every trainer agrees on."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        strategy: Strategy,
+        rank: int,
+        collective: Collective,
+        detector: Detector,
+        writes,
+        ledger: Ledger,
+        journal: Journal,
+        make_restorer: Callable[[Ledger, DeferredJournal], object],
+        tools,
+        budget_bytes: int,
+        warn: Callable[[str], None] = print,
+        drain: Callable[[], None] = lambda: None,
+    ) -> None:
+        if strategy not in THROUGH:
+            raise RecoveryError(
+                f"--train-through with --recovery {strategy}: it needs one of {[str(s) for s in THROUGH]}"
+            )
+        widths = {store.width(t) for t in range(len(store.tables.specs))}
+        if len(widths) > 1:
+            raise RecoveryError(
+                f"--train-through: the tables' rows have {len(widths)} widths ({sorted(widths)} floats); "
+                "it needs one embedding dim for every table"
+            )
+        self.store, self.strategy, self.rank, self.collective = store, strategy, rank, collective
+        self.detector, self.writes, self.ledger, self.journal = detector, writes, ledger, journal
+        self.make_restorer, self.tools, self.budget_bytes = make_restorer, tools, budget_bytes
+        self.warn, self.drain = warn, drain
+        n = store.num_shards
+        self.mine = {s for s in range(n) if s % collective.world_size == rank}
+        self.away: dict[int, int] = {}  # shard -> the step whose phase saw it fail
+        self._thread: threading.Thread | None = None
+        self._result: tuple[Verdict | None, BaseException | None, Ledger | None, DeferredJournal | None] = (
+            None,
+            None,
+            None,
+            None,
+        )
+        self._lost_before = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.away)
+
+    # -- an outage begins -------------------------------------------------------------------------
+    def begin(self, failed: list[int], step: int, phase: str) -> Outcome:
+        """Every trainer, at the commit point that saw ``failed`` (background writes on disk): the
+        shards go away, rank 0 starts their restore, and the phase runs again on them."""
+        store = self.store
+        if store.outage is None:
+            held = store.held
+            store.outage = OutageRows(store.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes)
+            if held is not None:
+                store.outage.absent = lambda keys: held.state_of(keys) == ABSENT
+        exact = self.strategy.replays_log
+        for s in failed:
+            keys, rows = (
+                store.held.shard_rows(s)
+                if s in self.mine and store.held is not None
+                else (np.empty(0, np.int64), np.empty((0, store.width(0)), np.float32))
+            )
+            store.outage.begin(s, keys, rows, np.full(len(keys), exact))
+            self.away[s] = step
+            self.journal.note(
+                f"step {step} {phase}: shard {s} away, restored in the background ({len(keys)} rows held)"
+            )
+        self.drain()
+        if self.rank == 0:
+            self.journal.mark_in_recovery(sorted(self.away))
+            self.tools.newest_usable = step
+            ledger = copy.deepcopy(self.ledger)  # the update counts as of the failure
+            self._lost_before = len(ledger.lost)
+            journal = DeferredJournal(self.journal)
+            restorer = self.make_restorer(ledger, journal)
+
+            def run() -> None:
+                try:
+                    self._result = (restorer.recover(list(failed), step, phase), None, ledger, journal)
+                except BaseException as e:  # noqa: BLE001 - every trainer learns it at the rejoin
+                    self._result = (None, e, ledger, journal)
+
+            self._thread = threading.Thread(target=run, name="restore-through", daemon=True)
+            self._thread.start()
+        return Outcome(Action.RETRY, (), tuple(sorted(failed)))
+
+    # -- each step: done yet? -----------------------------------------------------------------------
+    def poll(self, step: int) -> None:
+        """Every trainer at the start of ``step`` while shards are away: they agree whether the
+        restore is done (then the shards rejoin here) or a trainer's outage rows passed the budget
+        (then the run waits for the restore, with one line)."""
+        if not self.away:
+            return
+        n = self.store.num_shards
+        flags = np.zeros(n + 1, np.int64)
+        if self.rank == 0 and self._thread is not None and not self._thread.is_alive():
+            flags[sorted(self.away)] = 1
+        outage = self.store.outage
+        if outage is not None and outage.over_budget():
+            flags[n] = 1
+        flags = self.collective.max_flags(flags)
+        if flags[n]:
+            used = outage.used_bytes() if outage is not None else 0
+            self.end(
+                step,
+                f"the rows and kept updates of shards {sorted(self.away)} away passed --through-budget-mb "
+                f"{self.budget_bytes / (1 << 20):g} ({used / (1 << 20):.1f} MB here)",
+            )
+        elif flags[:n].any():
+            self.rejoin(step, 0.0)
+
+    def end(self, step: int, why: str | None = None) -> None:
+        """Every trainer: wait for the restore in flight (rank 0 joins it), then the shards rejoin.
+        ``why``: said in one line (None: a save or an evaluation, which reads every shard)."""
+        if not self.away:
+            return
+        t0 = time.perf_counter()
+        if self.rank == 0 and self._thread is not None:
+            if why is not None:
+                self.warn(f"step {step}: waiting for the restore of shards {sorted(self.away)}: {why}")
+            self._thread.join()
+        self.rejoin(step, time.perf_counter() - t0)
+
+    # -- the rejoin ---------------------------------------------------------------------------------
+    def rejoin(self, step: int, waited_s: float) -> None:
+        """Every trainer at the start of ``step``: the restored shards take their outage rows and
+        serve their reads again."""
+        n = self.store.num_shards
+        verdict, error, ledger, journal = self._result if self.rank == 0 else (None, None, None, None)
+        mine = None
+        if self.rank == 0:
+            mine = Verdict(fatal=True) if error is not None or verdict is None else verdict
+        verdict = Verdict.exchange(mine, n, self.collective)
+        shards = sorted(self.away)
+        if verdict.fatal:
+            if error is not None:
+                raise error
+            raise RecoveryError(f"the background restore of shards {shards} failed on rank 0 (its error ends the run)")
+        outage = self.store.outage
+        counts = np.zeros(3 * n, np.float64)
+        for s in shards:
+            self.store.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
+            c = outage.counts.get(s)
+            if c is not None:
+                counts[[s, n + s, 2 * n + s]] = (c.exact_reads, c.fallback_reads, c.late_updates)
+            back = outage.end(s)
+            if back is not None:
+                self._write_back(s, *back, step)
+        counts = self.collective.sum_floats(counts)
+        failed_at = dict(self.away)
+        self.away.clear()
+        for s in shards:
+            self.writes.as_of[s] = step - 1
+            self.detector.forget(s)
+        self.drain()
+        self._thread, self._result = None, (None, None, None, None)
+        if self.rank != 0:
+            return
+        self.ledger.lost.extend(ledger.lost[self._lost_before :])
+        for s in shards:
+            if s in ledger.since:
+                self.ledger.since[s] = ledger.since[s]
+        for rec, phase in journal.finished:
+            s = int(rec["target"])
+            rec["trained_through_steps"] = step - failed_at.get(s, step)
+            rec["waited_s"] = round(waited_s, 4)
+            rec["rows_read_exact"] = int(counts[s])
+            rec["rows_read_fallback"] = int(counts[n + s])
+            rec["updates_applied_late"] = int(counts[2 * n + s])
+            self.journal.finish(rec, phase)
+            self.journal.note(
+                f"step {step}: shard {s} rejoined after {rec['trained_through_steps']} steps trained through "
+                f"(waited {rec['waited_s']}s; {rec['rows_read_fallback']} rows read from the fallback, "
+                f"{rec['updates_applied_late']} updates applied late)"
+            )
+        self.journal.mark_in_recovery([])
+
+    def _write_back(self, s: int, keys: np.ndarray, rows: np.ndarray, kept: list, step: int) -> None:
+        """The writer of ``s`` at its rejoin: the kept gradients applied in step order to the restored
+        rows, then those and the exact rows updated during the outage written to the shard (as of the
+        last completed step), held again, and (``log``) the late ones logged."""
+        store = self.store
+        late = np.unique(np.concatenate([k for _, k, _ in kept])) if kept else np.empty(0, np.int64)
+        try:
+            vals = np.empty((0, rows.shape[1] if rows.ndim == 2 else store.width(0)), np.float32)
+            if len(late):
+                with store.from_redis():
+                    vals = store.read_keys(late)
+                for t, k, g in kept:
+                    pos = np.searchsorted(late, k)
+                    vals[pos] = store.optimizer.apply(torch.from_numpy(vals[pos]), torch.from_numpy(g), t).numpy()
+            every = np.concatenate([keys, late])
+            order = np.argsort(every, kind="stable")
+            every, values = every[order], np.concatenate([rows, vals])[order]
+            groups = [(t, ids, values[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(every).items()]
+            store.write_shard(s, groups, step=step - 1)
+        except ShardUnavailableError as e:
+            raise RecoveryError(
+                f"shard {s} at {store.endpoint(s)} failed again as it rejoined at step {step} ({e.reason}): "
+                "its outage rows cannot reach it"
+            ) from None
+        held = store.held
+        if held is not None and s in held.shards:
+            if self.strategy.replays_log:
+                held.reinstate(s)  # exactly what this writer wrote before the failure
+            else:
+                held.drop_forgotten(s)
+            if len(every):
+                held.put_keys(every, values, step - 1)
+        if len(late) and s in self.writes.logs:
+            self.writes.log_step(step - 1, s, late, vals)
