@@ -304,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
     cp.add_argument("--out", default=None, help="where compare.md and compare.png go (default: beside the first run)")
+    vf = sub.add_parser(
+        "verify",
+        help="rebuild a finished run's rows from its checkpoint and update logs and compare them with its final rows",
+        description=__import__("recsys.verify", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
     return ap
 
 
@@ -391,6 +398,16 @@ def main(argv: list[str] | None = None) -> int:
             _allow_fork()
             api.bench_recovery(**vars(args))
             return 0
+        if args.command == "verify":
+            from recsys.verify import VerifyError, verify
+
+            try:
+                code, line = verify(args.run)
+            except VerifyError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(line, file=sys.stdout if code == 0 else sys.stderr)
+            return code
         if args.command == "compare":
             out = args.out or "."
             where = api.compare(args.runs, out=args.out)

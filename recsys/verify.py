@@ -1,0 +1,196 @@
+"""``python -m recsys verify RUN``: rebuild a finished run's rows from its durable files and compare.
+
+Under ``--recovery log`` a run's durable state is its oldest kept checkpoint plus every shard's
+update log: together they must give exactly the rows the run ended with (nothing lost, nothing
+applied twice, whatever failed on the way, trained through or not). ``verify`` rebuilds every
+shard from them in memory (the checkpoint's ``shard{S}.rdb`` parsed as Redis wrote it, then each
+row's newest logged value up to the run's last step; a row in neither has its initial value) and
+compares the result with:
+
+- the run's ``embedding_digest`` (``summary.json``: SHA-256 over every row, weights and optimizer
+  state): always, where the run computed one;
+- the rows themselves, to name the first that differs: on the run's shards where they still answer
+  (servers the project did not start keep the run's rows under its namespace), else the weights of
+  ``final_model.pt`` (``--save-model``).
+
+Equal: one line, exit 0. Not equal: one line naming the shard, table and first differing row (or
+the digest where no rows are at hand), exit 1. A run without a complete log (any other strategy)
+cannot be rebuilt: ``verify`` says so and checks what it can (the checkpoints' checksums). Bad
+input (not a run folder, an unfinished run, a log with a gap) is one line, exit 2.
+
+The tables are rebuilt in this process's memory: the run's tables must fit in it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from recovery import layout
+
+
+class VerifyError(Exception):
+    """The run cannot be checked (one line; exit 2)."""
+
+
+def _config(run: Path):
+    from recsys.config import ConfigError, RunConfig
+
+    path = layout.config_file(run)
+    if not path.is_file():
+        raise VerifyError(f"verify {run}: no {path.name} there (not the folder of a run)")
+    try:
+        return RunConfig.from_toml(path)
+    except (ConfigError, ValueError, OSError) as e:
+        raise VerifyError(f"verify {run}: {path}: {e}") from None
+
+
+def _summary(run: Path) -> dict:
+    path = layout.summary_file(run)
+    if not path.is_file():
+        raise VerifyError(f"verify {run}: the run did not finish (no {path.name}): there are no final rows to check")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"verify {run}: {path} is damaged ({e})") from None
+
+
+def _checkpoints(cfg, namespace: str) -> tuple[list, list[str]]:
+    """The run's checkpoints whose files verify, newest first, and a line per corrupt one."""
+    from recovery.checkpoint import list_checkpoints
+    from recovery.errors import CorruptCheckpointError
+
+    good, bad = [], []
+    for c in list_checkpoints(cfg.checkpoint_dir, namespace):
+        try:
+            c.verify([n for n in c.files if n.endswith(".rdb")])
+            good.append(c)
+        except CorruptCheckpointError as e:
+            bad.append(str(e))
+    return good, bad
+
+
+def rebuild(cfg, store, ckpt, steps: int) -> dict[int, np.ndarray]:
+    """Every table's rows [num_rows, width] from ``ckpt`` (None: empty shards) and the logs up to ``steps``."""
+    from embeddings import rowkeys
+    from embeddings.rdb import group_rows, read_keys
+    from recovery.errors import LogGapError
+    from recovery.log import ShardLog
+
+    tables = {}
+    for t, spec in enumerate(store.tables.specs):
+        tables[t] = store.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    base = ckpt.step if ckpt is not None else 0
+    for s in range(store.num_shards):
+        if ckpt is not None:
+            ns = store.key_namespace(s)
+            rows, _ = group_rows(read_keys(ckpt.shard_file(s), f"{ns}:".encode()), ns, store.layout, widths)
+            for t, (ids, values) in rows.items():
+                tables[t][ids] = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
+        try:
+            records, _ = ShardLog(cfg.log_dir, s).replay(base, steps)
+        except LogGapError as e:
+            raise VerifyError(f"verify: {e}") from None
+        for r in records:  # in log order: a row's newest record is written last
+            if len(r.ids):
+                tables[r.table][r.ids] = r.rows
+    return tables
+
+
+def _final_rows(cfg, store, run: Path) -> tuple[str, dict[int, np.ndarray]] | None:
+    """The rows the run ended with, where they are at hand: (where, table -> rows [n, dim or width])."""
+    from embeddings import ShardUnavailableError
+
+    if cfg.embeddings.redis != "local":
+        try:
+            with store.from_redis():
+                rows = {
+                    t: store.read_rows(spec.name, np.arange(spec.num_rows)) for t, spec in enumerate(store.tables.specs)
+                }
+            if any(len(v) for v in rows.values()):
+                return "its shards", rows
+        except ShardUnavailableError:
+            pass
+    path = layout.final_model_file(run)
+    if path.is_file():
+        import torch
+
+        state = torch.load(path, weights_only=True)
+        out = {}
+        for t, spec in enumerate(store.tables.specs):
+            w = state.get(f"embedding.{spec.name}")
+            if w is not None:
+                out[t] = w.numpy()
+        return path.name, out
+    return None
+
+
+def verify(run_dir: str | Path) -> tuple[int, str]:
+    """-> (exit status, the one line to print)."""
+    from recovery.strategy import Strategy
+    from recsys.backends import open_store
+    from recsys.outputs import embedding_digest
+    from recsys.rundir import read_run_file
+
+    run = Path(run_dir)
+    cfg = _config(run)
+    summary = _summary(run)
+    try:
+        namespace = read_run_file(run, "verify")["namespace"]
+    except Exception as e:  # noqa: BLE001 - a ConfigError: one line
+        raise VerifyError(str(e)) from None
+    good, bad = _checkpoints(cfg, namespace)
+    strategy = Strategy(cfg.recovery.recovery)
+    if not cfg.log_dir:
+        corrupt = f"; {len(bad)} fail their checksums: {bad[0]}" if bad else ""
+        return (
+            1 if bad else 0,
+            f"{run}: --recovery {strategy} keeps no update log, so its final rows cannot be rebuilt from its files; "
+            f"checked that {len(good)} kept checkpoint(s) verify (SHA-256){corrupt}",
+        )
+    steps = int(summary["steps_completed"])
+    n = len(cfg.embeddings.urls) or cfg.embeddings.shards
+    urls = cfg.embeddings.urls or ["redis://127.0.0.1:1"] * n  # local shards ended with the run: never dialled
+    store = open_store(cfg, urls, namespace, replicas=False)
+    try:
+        ckpt = good[-1] if good else None  # the oldest kept: the logs reach back to it
+        tables = rebuild(cfg, store, ckpt, steps)
+        names = [spec.name for spec in store.tables.specs]
+        digest = embedding_digest((names[t], [rows]) for t, rows in tables.items())
+        final = _final_rows(cfg, store, run)
+        if final is not None:
+            where, rows = final
+            for t, got in rows.items():
+                want = tables[t][:, : got.shape[1]]
+                diff = np.flatnonzero(np.any(want.view(np.int32) != np.ascontiguousarray(got).view(np.int32), axis=1))
+                if len(diff):
+                    row = int(diff[0])
+                    shard = int(store.shard_map.shard_of(t, np.array([row]))[0])
+                    return 1, (
+                        f"{run}: shard {shard}, table {names[t]}, row {row}: rebuilt from "
+                        f"{'checkpoint ' + str(ckpt.step) if ckpt else 'empty shards'} and the logs to step {steps} "
+                        f"it differs from {where} ({len(diff)} rows of the table differ)"
+                    )
+        expected = summary.get("embedding_digest")
+        if expected is not None and expected != digest:
+            return 1, (
+                f"{run}: the rows rebuilt from the durable files have digest {digest[:16]}..., the run ended with "
+                f"{expected[:16]}... (summary.json)"
+                + ("" if final is None else f"; {final[0]} agree on the weights: the optimizer state differs")
+            )
+        if expected is None and final is None:
+            return (
+                1,
+                f"{run}: the run kept no digest (--digest-max-rows) and no final rows are at hand: nothing to compare",
+            )
+        base = f"checkpoint {ckpt.step}" if ckpt else "empty shards"
+        checked = " and ".join(x for x in ("the digest" if expected else "", final[0] if final else "") if x)
+        return 0, (
+            f"{run}: {n} shards rebuilt from {base} and their logs to step {steps} equal the run's final rows "
+            f"({checked})"
+        )
+    finally:
+        store.close()
