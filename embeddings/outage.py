@@ -40,10 +40,11 @@ class _Shard:
 @dataclass
 class OutageCounts:
     """What an outage cost in rows, per shard: reads answered exactly, reads from the fallback,
-    and (row, step) updates kept for the restored rows."""
+    (row, step) updates applied exactly and those kept for the restored rows."""
 
     exact_reads: int = 0
     fallback_reads: int = 0
+    exact_updates: int = 0
     late_updates: int = 0
 
 
@@ -68,6 +69,8 @@ class OutageRows:
         self._served: tuple[np.ndarray, np.ndarray] | None = None  # rows handed to all this step
         # keys -> which are known never written (their initial value is exact), on the writer
         self.absent: Callable[[np.ndarray], np.ndarray] | None = None
+        # called once per outage of a shard, before its first kept update is kept (a durable note)
+        self.on_kept: Callable[[int], None] | None = None
 
     # -- an outage begins and ends ----------------------------------------------------------------
     def begin(self, shard: int, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> None:
@@ -201,7 +204,10 @@ class OutageRows:
             ex = sh.exact[pos]
             sh.dirty[pos[ex]] = True
             exact[at] = ex
+            self.counts[s].exact_updates += int(ex.sum())
             if (~ex).any():
+                if not sh.kept and self.on_kept is not None:
+                    self.on_kept(s)
                 kk, gg = keys[at][~ex].copy(), g[at][~ex].copy()
                 sh.kept.append((step, kk, gg))
                 sh.kept_bytes += kk.nbytes + gg.nbytes

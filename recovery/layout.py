@@ -140,6 +140,12 @@ def in_recovery_file(out: Folder) -> Path:
     return Path(out) / IN_RECOVERY
 
 
+def kept_updates_file(out: Folder, shard: int) -> Path:
+    """``{out}/kept_updates_shard{S}``: shard S is away (``--train-through``) and its writer keeps
+    updates for rows it did not cache, which no log holds until the shard rejoins."""
+    return Path(out) / f"kept_updates_shard{shard}"
+
+
 def injections_file(out: Folder) -> Path:
     """``{out}/injections.jsonl``."""
     return Path(out) / INJECTIONS

@@ -20,6 +20,7 @@ from recovery.journal import Journal
 from recovery.log import ShardLog
 from recovery.protocol import Collective, Detector, Outcome
 from recovery.restore import ShardRestore
+from recovery.through import TrainThrough
 from recovery.writer import SparseWriter
 
 
@@ -83,6 +84,7 @@ class Restarts:
         if self.journal.load():
             self.ledger.from_journal(self.journal.failures)
         if self.rank == 0:
+            TrainThrough.check_restart(self.journal.run_dir, self.store.num_shards, self.tools.strategy.replays_log)
             self.drop_saves_after(step)
             if self.log_dir is not None:
                 for s in range(self.store.num_shards):

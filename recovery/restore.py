@@ -106,10 +106,6 @@ class ShardRestore:
         """The shard back as of ``ckpt`` (empty without one); -> bytes restored. A local shard: kill
         whatever runs for it, start a replacement that loads the checkpoint's file. A remote one:
         wait for its supervisor to bring it back, then load the rows through the protocol."""
-        delay = self.injector.restore_delay(shard) if self.injector is not None else 0.0
-        if delay:
-            time.sleep(delay)  # --inject slow-restore:K:SECS
-            lap("slow_restore")
         spec = self.local.get(shard)
         if spec is None:
             self.await_server(shard)
@@ -117,6 +113,7 @@ class ShardRestore:
             restored = self.store.load_snapshot(shard, ckpt.shard_file(shard)) if ckpt is not None else 0
             if self.injector is not None:
                 self.injector.during("recovery", exclude=shard)
+            self._slow(shard, lap)
             return restored
         for pid in shard_servers(spec):  # its pidfile's, and one a dead trainer started unrecorded
             kill_and_wait(pid)
@@ -134,7 +131,16 @@ class ShardRestore:
         self.store.reconnect(spec.index)
         if self.injector is not None:
             self.injector.during("recovery", exclude=spec.index)
+        self._slow(shard, lap)
         return restored
+
+    def _slow(self, shard: int, lap: Callable[[str], None]) -> None:
+        """``--inject slow-restore:K:SECS``: the restore of shard K takes SECS longer, with its
+        replacement up and loaded from the checkpoint, before anything is laid on it."""
+        delay = self.injector.restore_delay(shard) if self.injector is not None else 0.0
+        if delay:
+            time.sleep(delay)
+            lap("slow_restore")
 
     def await_server(self, shard: int) -> None:
         """Until the shard's server answers again (its supervisor restarts it), within the timeout."""

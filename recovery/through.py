@@ -38,8 +38,10 @@ import torch
 from embeddings import RedisStore, ShardUnavailableError, rowkeys
 from embeddings.held import ABSENT
 from embeddings.outage import OutageRows
+from recovery import layout
 from recovery.accounting import Ledger
 from recovery.errors import RecoveryError
+from recovery.files import write_atomic
 from recovery.journal import Journal
 from recovery.protocol import Action, Collective, Detector, Outcome, Verdict
 from recovery.strategy import Strategy
@@ -117,6 +119,26 @@ class TrainThrough:
     def active(self) -> bool:
         return bool(self.away)
 
+    @staticmethod
+    def check_restart(run_dir, num_shards: int, exact: bool) -> None:
+        """Rank 0 at a trainer restart: an outage whose writer kept updates for rows it did not cache
+        lost them with its process. Under ``log`` (which promises nothing lost) that ends the run in
+        one line; under the partial strategies the shard's restore counts them (every update since
+        its checkpoint), and the notes go."""
+        if run_dir is None:
+            return
+        notes = [s for s in range(num_shards) if layout.kept_updates_file(run_dir, s).exists()]
+        if notes and exact:
+            steps = {s: layout.kept_updates_file(run_dir, s).read_text().strip() for s in notes}
+            where = ", ".join(f"shard {s} (away since step {st})" for s, st in steps.items())
+            raise RecoveryError(
+                f"a trainer restart during the outage of {where} lost the updates its writer kept for rows it "
+                "did not cache (--train-through under log): the run cannot end exact; a larger --held-rows-mb "
+                "keeps every row it updates exact"
+            )
+        for s in notes:
+            layout.kept_updates_file(run_dir, s).unlink(missing_ok=True)
+
     # -- an outage begins -------------------------------------------------------------------------
     def begin(self, failed: list[int], step: int, phase: str) -> Outcome:
         """Every trainer, at the commit point that saw ``failed`` (background writes on disk): the
@@ -127,6 +149,7 @@ class TrainThrough:
             store.outage = OutageRows(store.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes)
             if held is not None:
                 store.outage.absent = lambda keys: held.state_of(keys) == ABSENT
+            store.outage.on_kept = self._note_kept
         exact = self.strategy.replays_log
         for s in failed:
             keys, rows = (
@@ -157,6 +180,13 @@ class TrainThrough:
             self._thread = threading.Thread(target=run, name="restore-through", daemon=True)
             self._thread.start()
         return Outcome(Action.RETRY, (), tuple(sorted(failed)))
+
+    def _note_kept(self, shard: int) -> None:
+        """The writer of ``shard`` is about to keep its first update for a row it did not cache: a
+        durable note, so that a trainer restart before the rejoin (which loses what was kept) knows."""
+        run = self.journal.run_dir
+        if run is not None:
+            write_atomic(layout.kept_updates_file(run, shard), str(self.away.get(shard, 0)))
 
     # -- each step: done yet? -----------------------------------------------------------------------
     def poll(self, step: int) -> None:
@@ -211,15 +241,22 @@ class TrainThrough:
                 raise error
             raise RecoveryError(f"the background restore of shards {shards} failed on rank 0 (its error ends the run)")
         outage = self.store.outage
-        counts = np.zeros(3 * n, np.float64)
+        counts = np.zeros(4 * n, np.float64)
         for s in shards:
             self.store.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
             c = outage.counts.get(s)
             if c is not None:
-                counts[[s, n + s, 2 * n + s]] = (c.exact_reads, c.fallback_reads, c.late_updates)
+                counts[[s, n + s, 2 * n + s, 3 * n + s]] = (
+                    c.exact_reads,
+                    c.fallback_reads,
+                    c.exact_updates,
+                    c.late_updates,
+                )
             back = outage.end(s)
             if back is not None:
                 self._write_back(s, *back, step)
+                if self.journal.run_dir is not None:
+                    layout.kept_updates_file(self.journal.run_dir, s).unlink(missing_ok=True)
         counts = self.collective.sum_floats(counts)
         failed_at = dict(self.away)
         self.away.clear()
@@ -240,7 +277,8 @@ class TrainThrough:
             rec["waited_s"] = round(waited_s, 4)
             rec["rows_read_exact"] = int(counts[s])
             rec["rows_read_fallback"] = int(counts[n + s])
-            rec["updates_applied_late"] = int(counts[2 * n + s])
+            rec["updates_applied_exact"] = int(counts[2 * n + s])
+            rec["updates_applied_late"] = int(counts[3 * n + s])
             self.journal.finish(rec, phase)
             self.journal.note(
                 f"step {step}: shard {s} rejoined after {rec['trained_through_steps']} steps trained through "

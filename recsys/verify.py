@@ -13,7 +13,9 @@ compares the result with:
   (servers the project did not start keep the run's rows under its namespace), else the weights of
   ``final_model.pt`` (``--save-model``).
 
-Equal: one line, exit 0. Not equal: one line naming the shard, table and first differing row (or
+Under ``partial`` with update logs (``--log-dir``) a shard restored from a checkpoint is rebuilt as
+it was restored: from that checkpoint (still kept) and its log from the failing step on (what came
+between was lost, and counted). Equal: one line, exit 0. Not equal: one line naming the shard, table and first differing row (or
 the digest where no rows are at hand), exit 1. A run without a complete log (any other strategy)
 cannot be rebuilt: ``verify`` says so and checks what it can (the checkpoints' checksums). Bad
 input (not a run folder, an unfinished run, a log with a gap) is one line, exit 2.
@@ -72,8 +74,11 @@ def _checkpoints(cfg, namespace: str) -> tuple[list, list[str]]:
     return good, bad
 
 
-def rebuild(cfg, store, ckpt, steps: int) -> dict[int, np.ndarray]:
-    """Every table's rows [num_rows, width] from ``ckpt`` (None: empty shards) and the logs up to ``steps``."""
+def rebuild(cfg, store, ckpt, steps: int, restores: dict | None = None) -> dict[int, np.ndarray]:
+    """Every table's rows [num_rows, width] from ``ckpt`` (None: empty shards) and the logs up to
+    ``steps``. ``restores``: shard -> (checkpoint or None, step) of a lossy restore (``partial``):
+    that shard is rebuilt from the checkpoint it was restored from and its log from that step on
+    (the records before it were lost, and counted)."""
     from embeddings import rowkeys
     from embeddings.rdb import group_rows, read_keys
     from recovery.errors import LogGapError
@@ -83,21 +88,47 @@ def rebuild(cfg, store, ckpt, steps: int) -> dict[int, np.ndarray]:
     for t, spec in enumerate(store.tables.specs):
         tables[t] = store.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    base = ckpt.step if ckpt is not None else 0
     for s in range(store.num_shards):
-        if ckpt is not None:
+        base, after = (ckpt, ckpt.step if ckpt is not None else 0)
+        if restores and s in restores:
+            base, first = restores[s]
+            after = first - 1
+        if base is not None:
             ns = store.key_namespace(s)
-            rows, _ = group_rows(read_keys(ckpt.shard_file(s), f"{ns}:".encode()), ns, store.layout, widths)
+            rows, _ = group_rows(read_keys(base.shard_file(s), f"{ns}:".encode()), ns, store.layout, widths)
             for t, (ids, values) in rows.items():
                 tables[t][ids] = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
         try:
-            records, _ = ShardLog(cfg.log_dir, s).replay(base, steps)
+            records, _ = ShardLog(cfg.log_dir, s).replay(after, steps)
         except LogGapError as e:
             raise VerifyError(f"verify: {e}") from None
         for r in records:  # in log order: a row's newest record is written last
             if len(r.ids):
                 tables[r.table][r.ids] = r.rows
     return tables
+
+
+def lossy_restores(run: Path, strategy, good: list) -> dict:
+    """``partial`` with update logs: shard -> (the checkpoint its last restore loaded, or None for
+    empty, and the first step logged after it). ``VerifyError`` where that checkpoint is gone."""
+    from recovery.files import read_lines
+
+    out: dict = {}
+    if str(strategy) != "partial":
+        return out
+    by_step = {c.step: c for c in good}
+    for f in read_lines(layout.failures_file(run)):
+        if f.get("strategy") != "partial" or "restored_from_step" not in f:
+            continue
+        s, base = int(f["target"]), f["restored_from_step"]
+        first = min(int(f["step"]), int(f.get("write_step", f["step"])))
+        if base is not None and base not in by_step:
+            raise VerifyError(
+                f"verify {run}: shard {s} was restored from checkpoint {base} at step {first}, which is no longer "
+                "kept (or fails its checksum): its rows cannot be rebuilt"
+            )
+        out[s] = (by_step.get(base) if base is not None else None, first)
+    return out
 
 
 def _final_rows(cfg, store, run: Path) -> tuple[str, dict[int, np.ndarray]] | None:
@@ -144,11 +175,12 @@ def verify(run_dir: str | Path) -> tuple[int, str]:
         raise VerifyError(str(e)) from None
     good, bad = _checkpoints(cfg, namespace)
     strategy = Strategy(cfg.recovery.recovery)
-    if not cfg.log_dir:
+    if not cfg.log_dir or strategy.value not in ("log", "partial"):
         corrupt = f"; {len(bad)} fail their checksums: {bad[0]}" if bad else ""
         return (
             1 if bad else 0,
-            f"{run}: --recovery {strategy} keeps no update log, so its final rows cannot be rebuilt from its files; "
+            f"{run}: --recovery {strategy} {'overlays saves the logs do not hold' if cfg.log_dir else 'keeps no update log'}, "
+            "so its final rows cannot be rebuilt from its files; "
             f"checked that {len(good)} kept checkpoint(s) verify (SHA-256){corrupt}",
         )
     steps = int(summary["steps_completed"])
@@ -157,7 +189,7 @@ def verify(run_dir: str | Path) -> tuple[int, str]:
     store = open_store(cfg, urls, namespace, replicas=False)
     try:
         ckpt = good[-1] if good else None  # the oldest kept: the logs reach back to it
-        tables = rebuild(cfg, store, ckpt, steps)
+        tables = rebuild(cfg, store, ckpt, steps, lossy_restores(run, strategy, good))
         names = [spec.name for spec in store.tables.specs]
         digest = embedding_digest((names[t], [rows]) for t, rows in tables.items())
         final = _final_rows(cfg, store, run)
