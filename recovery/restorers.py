@@ -46,7 +46,10 @@ class Restored:
 
 
 class Restorer:
-    """Brings failed shards back under one strategy (rank 0)."""
+    """Brings failed shards back under one strategy (rank 0). ``through``: on a background thread
+    while the steps go on (``recovery.through``)."""
+
+    through = False
 
     def __init__(
         self,
@@ -89,7 +92,7 @@ class ShardByShard(Restorer):
                 self.journal.note(f"step {step}: shard {e.shard} failed while shard {s} was being recovered")
                 self.tools.detector.detected_at.setdefault(e.shard, time.time())
                 self.journal.mark_in_recovery(sorted({*pending, s, e.shard}))
-                pending += [x for x in (e.shard, s) if x not in pending]
+                pending += [x for x in dict.fromkeys((e.shard, s)) if x not in pending]  # each once
                 retries += 1
                 time.sleep(min(0.05 * retries, 1.0))  # a server still starting or loading: give it time
         if pending:
@@ -209,6 +212,8 @@ class WithLog(FromCheckpoint):
         if self.log_dir is None:
             raise RecoveryError("log recovery needs --log-dir")
         records, last = ShardLog(self.log_dir, shard).replay(after_step, need)
+        if self.through:  # its writer appends the outage's steps meanwhile: the shard comes back as of ``need``
+            records, last = [r for r in records if r.step <= need], min(last, need)
         replayed = 0
         by_table: dict[int, tuple[list, list]] = {}
         for r in records:

@@ -44,6 +44,7 @@ from recovery.errors import RecoveryError
 from recovery.files import write_atomic
 from recovery.journal import Journal
 from recovery.protocol import Action, Collective, Detector, Outcome, Verdict
+from recovery.restorers import Restorer
 from recovery.strategy import Strategy
 
 THROUGH = (Strategy.PARTIAL, Strategy.PARTIAL_MFU, Strategy.PARTIAL_SSU, Strategy.INCREMENTAL, Strategy.LOG)
@@ -83,7 +84,7 @@ class TrainThrough:
         writes,
         ledger: Ledger,
         journal: Journal,
-        make_restorer: Callable[[Ledger, DeferredJournal], object],
+        make_restorer: Callable[[Ledger, DeferredJournal], Restorer],
         tools,
         budget_bytes: int,
         warn: Callable[[str], None] = print,
@@ -170,6 +171,7 @@ class TrainThrough:
             self._lost_before = len(ledger.lost)
             journal = DeferredJournal(self.journal)
             restorer = self.make_restorer(ledger, journal)
+            restorer.through = True
 
             def run() -> None:
                 try:

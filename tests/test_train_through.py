@@ -1,0 +1,233 @@
+"""Training through a shard's failure (``--train-through``) on real redis-server shards, trainer
+processes and gloo: the failed shard is restored in the background (held for seconds by
+``--inject slow-restore``) while the steps go on; its rows come from its writer's cache (exact) or a
+fallback (counted), and the outage ends exact, with its loss counted exactly, or with one line.
+``recsys verify`` rebuilds every run's rows from its checkpoint and update logs: the invariant
+"nothing lost, nothing applied twice". No assertion is on a clock: the seconds are the benchmark's."""
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recsys.testing import RedisServers
+from tests import procs
+from tests.conftest import train_cli
+
+ONE = ["--steps", "70", "--trainers", "1", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
+ONE += ["--embedding-dim", "8", "--eval-every", "0", "--log-every", "5", "--checkpoint-every", "40"]
+TWO = [*ONE, "--trainers", "2", "--max-restarts", "2"]
+HELD = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:3"]  # shard 1 away from step 25, 3 s
+
+
+def verify(run: Path) -> tuple[int, str]:
+    proc = procs.run(["-m", "recsys", "verify", str(run)], timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def outage(s: dict, shard: int = 1) -> dict:
+    recs = [f for f in s["failures"] if f["target"] == shard and "trained_through_steps" in f]
+    assert len(recs) == 1, json.dumps(s["failures"])
+    return recs[0]
+
+
+def updates_per_step(run: Path, shard: int, steps: range) -> dict[int, int]:
+    """(row, step) updates of ``shard`` in each step, worked out from the data (one trainer): the
+    unique rows of the step's batch that the shard holds."""
+    from data.batches import make_batch
+    from recsys.backends import open_store
+    from recsys.config import RunConfig
+    from recsys.datasets import sources
+    from recsys.model import store_model
+
+    cfg = RunConfig.from_toml(run / "config.toml")
+    store = open_store(cfg, ["redis://127.0.0.1:1"] * cfg.embeddings.shards, "count", replicas=False)
+    try:
+        _, ebc = store_model(cfg, store)
+        src, b = sources(cfg).train, cfg.train.batch_size
+        out = {}
+        for t in steps:
+            a = src.read((t - 1) * b, b)
+            keys = ebc.unique_keys(make_batch(a.dense, a.sparse, a.labels, bags=a.bags).sparse_features)
+            out[t] = int(np.count_nonzero(store.shard_map.shard_of_keys(keys) == shard))
+        return out
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    return train_cli(tmp_path_factory.mktemp("through-base"), *ONE, "--recovery", "log")
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("through-held") / "run"
+    return out, train_cli(out, *ONE, "--recovery", "log", "--train-through", "--save-model", *HELD)
+
+
+def test_log_through_a_held_restore_is_bit_identical_and_verifies(held, base):
+    out, s = held
+    f = outage(s)
+    msg = json.dumps(f)
+    assert f["trained_through_steps"] >= 1, msg  # steps ran while shard 1 was restored
+    assert f["rows_read_fallback"] == 0 and f["updates_applied_late"] == 0, msg  # every row was held
+    assert f["rows_read_exact"] > 0 and f["updates_applied_exact"] > 0, msg
+    assert f["lost_updates"] == 0 and f["restored_bytes"] > 0, msg
+    assert "slow_restore" in f["phases_s"], msg
+    assert s["embedding_digest"] == base["embedding_digest"]
+    code, line = verify(out)
+    assert code == 0 and "equal the run's final rows" in line and "final_model.pt" in line, line
+
+
+def test_verify_names_a_row_changed_behind_the_runs_back(held, tmp_path):
+    import torch
+
+    out = tmp_path / "run"
+    shutil.copytree(held[0], out)
+    model = torch.load(out / "final_model.pt", weights_only=True)
+    model["embedding.t_cat_3"][17, 2] += 0.5
+    torch.save(model, out / "final_model.pt")
+    code, line = verify(out)
+    assert code == 1 and "table t_cat_3, row 17:" in line and "1 rows of the table differ" in line, line
+    assert line.count("\n") == 0
+    (out / "final_model.pt").unlink()
+    summary = json.loads((out / "summary.json").read_text())
+    summary["embedding_digest"] = "0" * 64
+    (out / "summary.json").write_text(json.dumps(summary))
+    code, line = verify(out)
+    assert code == 1 and "the run ended with 0000000000000000" in line, line
+
+
+def test_log_through_with_a_small_cache_reads_fallbacks_and_applies_them_late(tmp_path):
+    out = tmp_path / "run"
+    s = train_cli(out, *ONE, "--recovery", "log", "--train-through", "--held-rows-mb", "0.2", *HELD)
+    f = outage(s)
+    msg = json.dumps(f)
+    assert f["rows_read_fallback"] > 0 and f["updates_applied_late"] > 0, msg
+    # every update of the outage steps was applied once: exactly, or late on the restored row
+    first, end = f["step"], f["step"] + f["trained_through_steps"]
+    want = sum(updates_per_step(out, 1, range(first, end)).values())
+    assert f["updates_applied_exact"] + f["updates_applied_late"] == want, msg
+    code, line = verify(out)  # the log holds what the shard holds: the late updates too
+    assert code == 0, line
+
+
+def test_partial_through_counts_its_loss_exactly_and_keeps_every_outage_update(tmp_path):
+    out = tmp_path / "run"
+    s = train_cli(out, *ONE, "--recovery", "partial", "--log-dir", str(out / "logs"), "--train-through", *HELD)
+    f = outage(s)
+    msg = json.dumps(f)
+    base, first, end = f["restored_from_step"], f["step"], f["step"] + f["trained_through_steps"]
+    counts = updates_per_step(out, 1, range(base + 1, end))
+    assert f["lost_updates"] == sum(counts[t] for t in range(base + 1, first)) > 0, msg
+    assert f["updates_applied_exact"] + f["updates_applied_late"] == sum(counts[t] for t in range(first, end)), msg
+    assert f["updates_applied_late"] > 0, msg  # the writer's rows are newer than the restore: a fallback
+    assert s["pls"] > 0
+    # the rows are the checkpoint shard 1 was restored from plus every update logged from the failure
+    # on: nothing of the outage dropped or applied twice
+    code, line = verify(out)
+    assert code == 0, line
+
+
+def test_past_its_budget_the_run_waits_with_one_line(tmp_path, base):
+    out = tmp_path / "run"
+    proc = procs.run(
+        ["-m", "recsys", "train", *ONE, "--recovery", "log", "--train-through", "--through-budget-mb", "0.001"]
+        + [*HELD, "--out", str(out)],
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if "passed --through-budget-mb" in x]
+    assert len(lines) == 1 and "waiting for the restore of shards [1]" in lines[0], proc.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert outage(s)["trained_through_steps"] == 1  # over budget at the first step after the failure
+    assert s["embedding_digest"] == base["embedding_digest"]
+
+
+def test_a_second_shard_failing_during_the_outage(tmp_path, base):
+    out = tmp_path / "run"
+    s = train_cli(out, *ONE, "--recovery", "log", "--train-through", *HELD, "--inject", "shard:2@step=30")
+    first, second = outage(s, 1), outage(s, 2)
+    assert first["trained_through_steps"] == 5, json.dumps(first)  # shard 2's failure ended it at step 30
+    assert second["step"] == 30 and second["trained_through_steps"] >= 1, json.dumps(second)
+    assert s["embedding_digest"] == base["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def base2(tmp_path_factory) -> dict:
+    return train_cli(tmp_path_factory.mktemp("through-base2"), *TWO, "--recovery", "log")
+
+
+def test_two_trainers_read_the_same_rows_and_survive_a_trainer_kill(tmp_path, base2):
+    out = tmp_path / "run"
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *HELD, "--inject", "trainer:0@step=30")
+    kinds = sorted(f["kind"] for f in s["failures"])
+    assert kinds == ["shard", "trainer"], json.dumps(s["failures"])
+    assert s["embedding_digest"] == base2["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_a_node_failure_during_an_outage(tmp_path, base2):
+    out = tmp_path / "run"
+    flags = ["--inject", "shard:0@step=25", "--inject", "slow-restore:0:3", "--inject", "node:1@step=30"]
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *flags)
+    assert {f["kind"] for f in s["failures"]} >= {"shard", "node"}, json.dumps(s["failures"])
+    assert s["embedding_digest"] == base2["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_a_trainer_restart_that_loses_kept_updates_ends_a_log_run_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    flags = [*TWO, "--recovery", "log", "--train-through", "--held-rows-mb", "0.2", *HELD]
+    proc = procs.run(["-m", "recsys", "train", *flags, "--inject", "trainer:0@step=30", "--out", str(out)], timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "lost the updates its writer kept" in errors[0], proc.stderr[-2000:]
+    assert not (out / "summary.json").exists()
+
+
+def test_the_replacement_dying_during_its_restore_on_remote_servers(tmp_path, redis_servers, base):
+    servers: RedisServers = redis_servers(3, supervised=True)
+    out = tmp_path / "run"
+
+    def kill_during_restore() -> None:
+        journal, deadline = out / "recovery.log", time.monotonic() + 120
+        while time.monotonic() < deadline and not (journal.exists() and "shard 1 away" in journal.read_text()):
+            time.sleep(0.02)
+        time.sleep(1.0)  # the replacement is up and loaded, its restore held 3 s (slow-restore)
+        servers.kill(1)
+
+    killer = threading.Thread(target=kill_during_restore, daemon=True)
+    killer.start()
+    flags = [*ONE, "--redis", ",".join(servers.urls), "--recovery", "log", "--train-through", "--timeout", "1"]
+    s = train_cli(out, *flags, *HELD)
+    killer.join()
+    assert servers.restarts[1] >= 2  # the injected shutdown, then the kill during the restore
+    f = outage(s)
+    assert f["trained_through_steps"] >= 1 and f["lost_updates"] == 0, json.dumps(f)
+    assert s["embedding_digest"] == base["embedding_digest"]
+    code, line = verify(out)  # the final rows read back from the servers
+    assert code == 0 and "its shards" in line, line
+
+    from recsys.backends import open_store
+    from recsys.config import RunConfig
+
+    cfg = RunConfig.from_toml(out / "config.toml")
+    ns = json.loads((out / "run.json").read_text())["namespace"]
+    store = open_store(cfg, servers.urls, ns, replicas=False)
+    try:
+        row = store.read_rows("t_cat_5", np.array([40]))
+        row[0, 0] += 1.0
+        store.write_rows("t_cat_5", np.array([40]), row)
+        shard = int(store.shard_map.shard_of(5, np.array([40]))[0])
+    finally:
+        store.close()
+    code, line = verify(out)
+    assert code == 1 and f"shard {shard}, table t_cat_5, row 40:" in line, line
