@@ -129,22 +129,41 @@ class OutageRows:
             pos = np.searchsorted(sh.keys, keys)
         return pos
 
-    def own_rows(self, keys: np.ndarray, count: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of ``keys`` (sorted, all of shards this trainer writes that are away) and which are exact."""
+    def own_rows(self, keys: np.ndarray, count: bool = False, keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` (sorted, all of shards this trainer writes that are away) and which are
+        exact. ``count``: a training read (counted exact or fallback); ``keep``: a row not there yet
+        stays from now on with its fallback value (an evaluation's reads leave nothing)."""
         shards = self.shard_of(keys)
         rows = np.empty((len(keys), self._width(keys)), np.float32)
         exact = np.zeros(len(keys), bool)
         for s in np.unique(shards).tolist():
             at = np.flatnonzero(shards == s)
-            pos = self._find(s, keys[at])
-            sh = self._shards[s]
-            rows[at] = sh.rows[pos]
-            exact[at] = sh.exact[pos]
+            if keep:
+                pos = self._find(s, keys[at])
+                sh = self._shards[s]
+                rows[at], exact[at] = sh.rows[pos], sh.exact[pos]
+            else:
+                rows[at], exact[at] = self._peek(s, keys[at])
             if count:
                 c = self.counts[s]
-                n_exact = int(sh.exact[pos].sum())
+                n_exact = int(exact[at].sum())
                 c.exact_reads += n_exact
                 c.fallback_reads += len(at) - n_exact
+        return rows, exact
+
+    def _peek(self, shard: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As ``_find``, adding nothing: a key not there reads its fallback value."""
+        sh = self._shards[shard]
+        pos = np.searchsorted(sh.keys, keys)
+        found = pos < len(sh.keys)
+        found[found] = sh.keys[pos[found]] == keys[found]
+        rows = np.empty((len(keys), sh.rows.shape[1]), np.float32)
+        exact = np.zeros(len(keys), bool)
+        rows[found], exact[found] = sh.rows[pos[found]], sh.exact[pos[found]]
+        if not found.all():
+            rows[~found] = self.init(keys[~found])
+            if self.absent is not None:
+                exact[~found] = self.absent(keys[~found])
         return rows, exact
 
     def _width(self, keys: np.ndarray) -> int:
@@ -152,15 +171,18 @@ class OutageRows:
             return sh.rows.shape[1]
         return self.init(keys[:1]).shape[1]
 
-    def serve(self, keys: np.ndarray, all_gather_keys=None, all_reduce_sum=None) -> None:
+    def serve(self, keys: np.ndarray, all_gather_keys=None, all_reduce_sum=None, training: bool = True) -> None:
         """The step's rows of shards away, the same on every trainer: ``keys`` (sorted) are this
         trainer's; with collectives (several trainers), every trainer's keys are gathered and each
-        writer's rows summed into one table (bit patterns as int64: a sum with zeros is exact)."""
+        writer's rows summed into one table (bit patterns as int64: a sum with zeros is exact).
+        ``training``: a step's reads (counted, kept); else an evaluation's (neither)."""
         if all_gather_keys is None:
             mine = keys[np.isin(self.shard_of(keys), list(self.mine & self.away))]
-            if len(mine):
-                self.own_rows(mine, count=True)
             self._served = None
+            if len(mine) and training:
+                self.own_rows(mine, count=True)
+            elif len(mine):
+                self._served = (mine, self.own_rows(mine, keep=False)[0])
             return
         union = all_gather_keys(keys)
         if not len(union):
@@ -170,7 +192,7 @@ class OutageRows:
         bits = np.zeros((len(union), width), np.int64)
         at = np.flatnonzero(np.isin(self.shard_of(union), list(self.mine & self.away)))
         if len(at):
-            rows, _ = self.own_rows(union[at], count=True)
+            rows, _ = self.own_rows(union[at], count=training, keep=training)
             bits[at] = rows.view(np.int32).astype(np.int64)
         total = all_reduce_sum(bits)
         self._served = (union, total.astype(np.int32).view(np.float32).reshape(len(union), width))

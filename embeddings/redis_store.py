@@ -376,7 +376,7 @@ class RedisStore(StoreBase):
     def read_keys(self, keys: np.ndarray) -> np.ndarray:
         """Rows of sorted packed keys: rows of shards away from their outage's rows, held rows by one
         gather, never-written rows by the lazy init, the rest read from their shards."""
-        away = self.outage.split(keys) if self.outage is not None and not self._from_redis else None
+        away = self.outage.split(keys) if self.outage is not None else None  # never read from their servers
         if away is None:
             return self._read_present(keys)
         out = np.empty((len(keys), self.width(int(keys[0] >> rowkeys.ROW_BITS))), np.float32)

@@ -122,6 +122,11 @@ class Backend:
         """The rows an evaluation reads: as they are stored."""
         yield
 
+    def serve_eval(self, batch: Batch) -> None:
+        """Before an evaluation batch's forward: rows that only other trainers have are handed over."""
+
+    lockstep_eval = False  # every trainer evaluates (rank 0 alone otherwise)
+
     def table_blocks(self) -> Iterable[tuple[str, Iterable[np.ndarray]]]:
         """Every table's rows (weights and optimizer state), by name, in blocks (the run's digest)."""
         raise NotImplementedError
@@ -170,15 +175,30 @@ class StoreBackend(Backend):
         """Pull this batch's rows now (a shard failure surfaces here, before any compute). Rows of
         shards away (``--train-through``) are served first, the same on every trainer."""
         keys = self.ebc.unique_keys(batch.sparse_features)
-        outage = self.store.outage
-        if outage is not None and outage.active:
-            away = outage.split(keys)
-            mine = keys[away] if away is not None else keys[:0]
-            if self.world_size > 1:
-                outage.serve(mine, all_gather_keys, all_reduce_sum)
-            else:
-                outage.serve(mine)
+        self._serve(keys, training=True)
         self.stager.stage(keys)
+
+    def _serve(self, keys: np.ndarray, training: bool) -> None:
+        outage = self.store.outage
+        if outage is None or not outage.active:
+            return
+        away = outage.split(keys)
+        mine = keys[away] if away is not None else keys[:0]
+        if self.world_size > 1:
+            outage.serve(mine, all_gather_keys, all_reduce_sum, training=training)
+        else:
+            outage.serve(mine, training=training)
+
+    def serve_eval(self, batch: Batch) -> None:
+        """Before an evaluation batch's forward while shards are away: their rows served as a step's
+        are (every trainer evaluates then, in step), neither kept nor counted."""
+        self._serve(self.ebc.unique_keys(batch.sparse_features), training=False)
+
+    @property
+    def lockstep_eval(self) -> bool:
+        """Shards are away and several trainers run: an evaluation's rows of them come from every
+        writer, so every trainer evaluates."""
+        return self.world_size > 1 and self.store.outage is not None and self.store.outage.active
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""

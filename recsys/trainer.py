@@ -71,6 +71,7 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
             for lo in range(0, n, EVAL_BATCH):
                 a = source.read(lo, min(EVAL_BATCH, n - lo))
                 b = make_batch(a.dense, a.sparse, a.labels, bags=a.bags)
+                backend.serve_eval(b)  # rows of shards away (--train-through)
                 logits.append(model(b.dense_features, b.sparse_features).squeeze(1).numpy())
                 labels.append(b.labels.numpy())
     finally:  # a shard failure mid-evaluation must not leave the model in eval mode
@@ -374,7 +375,8 @@ class Trainer:
         step = self.step
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
         sched = self.schedule
-        reads = eval_now or sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step)
+        saves = sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step)
+        reads = eval_now or saves
         window = self.recovery.window_steps
         if window == 1 or reads or step % window == 0 or step == self.steps:  # where a write may end
             # built only where it is saved, and written once the step's write-behind is on the shards
@@ -382,7 +384,8 @@ class Trainer:
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
         if reads:  # saves and evaluation read the shards as of this step
-            self.recovery.end_outage(step + 1)  # a shard restored in the background rejoins first
+            if saves:  # a save reads every shard: one restored in the background rejoins first
+                self.recovery.end_outage(step + 1)
             out = self.recovery.commit_behind(step, reads=True)
             if out.rolled_back:
                 return out
@@ -495,11 +498,13 @@ class Trainer:
         res: dict = {}
 
         def run(only) -> None:
-            if self.rank == 0:
-                if self.injector is not None:
+            if self.rank == 0 or self.backend.lockstep_eval:  # shards away: every trainer serves their rows
+                if self.injector is not None and self.rank == 0:
                     self.injector.during("eval")
-                res.clear()
-                res.update(evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples))
+                got = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
+                if self.rank == 0:
+                    res.clear()
+                    res.update(got)
 
         return self.recovery.run_phase(step, "eval", run), res
 

@@ -72,6 +72,8 @@ SLOWEST_FIRST = [
     "test_chaos",
     "test_failures",
     "test_remote",
+    "test_train_through_groups",
+    "test_train_through",
     "test_damaged_state",
     "test_plugin",
     "test_ownership",

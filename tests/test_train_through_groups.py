@@ -1,0 +1,114 @@
+"""Training through a shard's failure with two trainers (a trainer kill, a node failure, kept
+updates lost with a restart) and on servers the project did not start (a replacement dying during
+its restore); the rest, and what the tests assert, in ``test_train_through.py``."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recsys.testing import RedisServers
+from tests import procs
+from tests.conftest import train_cli
+from tests.test_train_through import HELD, ONE, outage, verify
+
+TWO = [*ONE, "--trainers", "2", "--max-restarts", "2", "--eval-every", "15", "--eval-samples", "2048"]
+HELD_3S = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:3"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    return train_cli(tmp_path_factory.mktemp("through-base"), *ONE, "--recovery", "log")
+
+
+def aucs(run: Path) -> list[tuple[int, float]]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["auc"]) for r in lines if "auc" in r]
+
+
+@pytest.fixture(scope="module")
+def base2(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("through-base2") / "run"
+    return out, train_cli(out, *TWO, "--recovery", "log")
+
+
+def test_two_trainers_train_and_evaluate_through_an_outage_bit_identically(tmp_path, base2):
+    out = tmp_path / "run"
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *HELD)
+    f = outage(s)
+    assert f["trained_through_steps"] >= 1 and f["rows_read_fallback"] == 0, json.dumps(f)
+    # the evaluation at step 30 ran while shard 1 was away: every trainer served its rows
+    assert aucs(out) == aucs(base2[0]) and 30 in dict(aucs(out))
+    assert s["embedding_digest"] == base2[1]["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_two_trainers_read_the_same_rows_and_survive_a_trainer_kill(tmp_path, base2):
+    out = tmp_path / "run"
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *HELD, "--inject", "trainer:0@step=30")
+    kinds = sorted(f["kind"] for f in s["failures"])
+    assert kinds == ["shard", "trainer"], json.dumps(s["failures"])
+    assert s["embedding_digest"] == base2[1]["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_a_node_failure_during_an_outage(tmp_path, base2):
+    out = tmp_path / "run"
+    flags = ["--inject", "shard:0@step=25", "--inject", "slow-restore:0:3", "--inject", "node:1@step=30"]
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *flags)
+    assert {f["kind"] for f in s["failures"]} >= {"shard", "node"}, json.dumps(s["failures"])
+    assert s["embedding_digest"] == base2[1]["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_a_trainer_restart_that_loses_kept_updates_ends_a_log_run_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    flags = [*TWO, "--recovery", "log", "--train-through", "--held-rows-mb", "0.2", *HELD]
+    proc = procs.run(["-m", "recsys", "train", *flags, "--inject", "trainer:0@step=30", "--out", str(out)], timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "lost the updates its writer kept" in errors[0], proc.stderr[-2000:]
+    assert not (out / "summary.json").exists()
+
+
+def test_the_replacement_dying_during_its_restore_on_remote_servers(tmp_path, redis_servers, base):
+    servers: RedisServers = redis_servers(3, supervised=True)
+    out = tmp_path / "run"
+
+    def kill_during_restore() -> None:
+        journal, deadline = out / "recovery.log", time.monotonic() + 120
+        while time.monotonic() < deadline and not (journal.exists() and "shard 1 away" in journal.read_text()):
+            time.sleep(0.02)
+        time.sleep(1.0)  # the replacement is up and loaded, its restore held 3 s (slow-restore)
+        servers.kill(1)
+
+    killer = threading.Thread(target=kill_during_restore, daemon=True)
+    killer.start()
+    flags = [*ONE, "--redis", ",".join(servers.urls), "--recovery", "log", "--train-through", "--timeout", "1"]
+    s = train_cli(out, *flags, *HELD_3S)
+    killer.join()
+    assert servers.restarts[1] >= 2  # the injected shutdown, then the kill during the restore
+    f = outage(s)
+    assert f["trained_through_steps"] >= 1 and f["lost_updates"] == 0, json.dumps(f)
+    assert s["embedding_digest"] == base["embedding_digest"]
+    code, line = verify(out)  # the final rows read back from the servers
+    assert code == 0 and "its shards" in line, line
+
+    from recsys.backends import open_store
+    from recsys.config import RunConfig
+
+    cfg = RunConfig.from_toml(out / "config.toml")
+    ns = json.loads((out / "run.json").read_text())["namespace"]
+    store = open_store(cfg, servers.urls, ns, replicas=False)
+    try:
+        row = store.read_rows("t_cat_5", np.array([40]))
+        row[0, 0] += 1.0
+        store.write_rows("t_cat_5", np.array([40]), row)
+        shard = int(store.shard_map.shard_of(5, np.array([40]))[0])
+    finally:
+        store.close()
+    code, line = verify(out)
+    assert code == 1 and f"shard {shard}, table t_cat_5, row 40:" in line, line
