@@ -41,6 +41,8 @@ class Recovery(Protocol):
     def load_state(self, state: dict) -> None: ...
     def close(self) -> None: ...
     def poll_outage(self, step: int) -> None: ...
+    @property
+    def outage_active(self) -> bool: ...
     def end_outage(self, step: int, why: str | None = None) -> None: ...
 
 
@@ -119,6 +121,10 @@ class NoRecovery:
 
     def poll_outage(self, step: int) -> None:
         pass
+
+    @property
+    def outage_active(self) -> bool:
+        return False
 
     def end_outage(self, step: int, why: str | None = None) -> None:
         pass

@@ -325,6 +325,11 @@ class RecoveryManager:
         if self.through is not None:
             self.through.poll(step)
 
+    @property
+    def outage_active(self) -> bool:
+        """A shard is away (restored in the background): saves are put off until it rejoins."""
+        return self.through is not None and self.through.active
+
     def end_outage(self, step: int, why: str | None = None) -> None:
         """Before anything that reads every shard: the run waits for a background restore in flight."""
         if self.through is not None:

@@ -72,6 +72,11 @@ class Failure:
     lost_samples: float
     restored_from_step: int | None
     raw: dict = field(repr=False)
+    trained_through_steps: int = 0
+    """``--train-through``: steps completed while the shard was away."""
+    waited_s: float = 0.0
+    """Seconds every trainer waited for this failure: the whole recovery (from the failure) for a
+    waiting strategy; under ``--train-through`` only where something made the run wait."""
 
     @classmethod
     def from_dict(cls, d: dict) -> Failure:
@@ -88,6 +93,10 @@ class Failure:
             lost_samples=float(d.get("lost_samples", 0.0)),
             restored_from_step=d.get("restored_from_step"),
             raw=d,
+            trained_through_steps=int(d.get("trained_through_steps", 0)),
+            waited_s=float(
+                d["waited_s"] if "waited_s" in d else d.get("detected_after_s", 0.0) + d.get("recovery_s", 0.0)
+            ),
         )
 
 

@@ -208,6 +208,7 @@ class Trainer:
         self.last_eval: dict = {}
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
+        self._checkpoint_owed = False  # one came due while a shard was away: taken at its rejoin
         self.clock = StepClock()
 
     # -- run state ----------------------------------------------------------------------------
@@ -375,7 +376,15 @@ class Trainer:
         step = self.step
         eval_now = self.cfg.train.eval_every > 0 and step % self.cfg.train.eval_every == 0 and step != self.steps
         sched = self.schedule
-        saves = sched.checkpoint_due(step) or sched.priority_due(step) or sched.flush_due(step)
+        owed = self._checkpoint_owed and not self.recovery.outage_active
+        ckpt_due = sched.checkpoint_due(step) or owed
+        prio_due, flush_due = (sched.priority_due(step), sched.flush_due(step)) if not ckpt_due else (False, False)
+        if self.recovery.outage_active and (ckpt_due or prio_due or flush_due):
+            # a save reads every shard: while one is restored in the background (--train-through) it
+            # is put off, a checkpoint to the step the shard rejoins at, a priority save or flush to its next
+            self._checkpoint_owed |= ckpt_due
+            ckpt_due = prio_due = flush_due = False
+        saves = ckpt_due or prio_due or flush_due
         reads = eval_now or saves
         window = self.recovery.window_steps
         if window == 1 or reads or step % window == 0 or step == self.steps:  # where a write may end
@@ -384,20 +393,19 @@ class Trainer:
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
         if reads:  # saves and evaluation read the shards as of this step
-            if saves:  # a save reads every shard: one restored in the background rejoins first
-                self.recovery.end_outage(step + 1)
             out = self.recovery.commit_behind(step, reads=True)
             if out.rolled_back:
                 return out
-        if self.schedule.checkpoint_due(step):
+        if ckpt_due:
+            self._checkpoint_owed = False
             out = self.checkpoint(step)
-        elif self.schedule.priority_due(step):
+        elif prio_due:
             self.priority_save(step)
-        elif self.schedule.flush_due(step):
+        elif flush_due:
             self.flush(step)
         # the next priority save's rows are picked off the path, a few steps ahead
         ahead = min(PREPARE_AHEAD, self.schedule.priority_every - 1)
-        if ahead and self.schedule.priority_due(step + ahead):
+        if ahead and self.schedule.priority_due(step + ahead) and not self.recovery.outage_active:
             self.recovery.prepare_priority()
         if out.rolled_back:
             return out
