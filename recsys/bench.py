@@ -11,6 +11,11 @@ servers; not in the overhead, as the rest of that contention is not); PLS; final
 against the reference; bytes written. Outputs ``results.csv``, ``results.md`` and
 ``overhead_vs_auc.png`` in ``--out``.
 
+``--train-through``: the strategies that restore (``partial``, ``partial-mfu``, ``partial-ssu``,
+``incremental``, ``log``) do it in the background while training goes on; a failure's time is then
+what the trainers waited, and ``trained_through``, ``fallback_reads`` and ``applied_late`` say what
+the outage cost in steps and rows.
+
 ``replica`` runs with a local replica per shard (promoted on failure: nothing is loaded).
 ``incremental`` flushes each shard's dirty rows every tenth of the interval (Check-N-Run style).
 Per strategy, bytes written per step (checkpoints, logs, priority saves, flushes).
@@ -48,6 +53,7 @@ from recovery.strategy import Strategy
 from recsys.config import ConfigError
 
 STRATEGIES = ("none", *(s.value for s in Strategy))
+THROUGH_NAMES = ("partial", "partial-mfu", "partial-ssu", "incremental", "log")  # recovery.through.THROUGH
 
 
 def failure_schedule(steps: int, rate: float, num_shards: int, seed: int) -> list[str]:
@@ -115,6 +121,7 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
                 else {}
             ),
             "priority_half": getattr(args, "priority_half", False),
+            **({"train_through": True} if getattr(args, "train_through", False) and strategy in THROUGH_NAMES else {}),
             "keep_checkpoints": 2,
             "max_restarts": 0,  # shard failures only: no per-step dense saves in the comparison
         }
@@ -127,7 +134,8 @@ def summarize(strategy: str, s: dict, ref: dict) -> dict:
     # a failure costs the call that saw it fail (redone), the restore and any recomputed steps; the
     # time between the failure and that call is not lost: the trainer went on training (a trainer
     # restart has no such call: its whole detection time counts)
-    failure_s = sum(f.get("failed_call_s", f["detected_after_s"]) + f["recovery_s"] for f in fails)
+    # (trained through: only the time every trainer waited for the restore, ``waited_s``)
+    failure_s = sum(f.get("failed_call_s", f["detected_after_s"]) + f.get("waited_s", f["recovery_s"]) for f in fails)
     failure_s += sum(f.get("recomputed_steps", 0) for f in fails) * step_s
     failure_s += s.get("held_reload_s", 0.0)  # the writers reading their restored shards' rows back
     ckpt_s = sum(c["pause_s"] for c in s.get("checkpoints", []))
@@ -148,6 +156,9 @@ def summarize(strategy: str, s: dict, ref: dict) -> dict:
         "pls": round(s.get("pls", 0.0), 5),
         "lost_updates": sum(f.get("lost_updates", 0) for f in fails),
         "saved_updates": sum(f.get("saved_updates", 0) for f in fails),
+        "trained_through": sum(f.get("trained_through_steps", 0) for f in fails),
+        "fallback_reads": sum(f.get("rows_read_fallback", 0) for f in fails),
+        "applied_late": sum(f.get("updates_applied_late", 0) for f in fails),
         "final_auc": round(s["final_auc"], 5),
         "final_logloss": round(s["final_logloss"], 5),
         "auc_change": round(s["final_auc"] - ref["final_auc"], 5),
@@ -168,6 +179,9 @@ COLUMNS = [
     "pls",
     "lost_updates",
     "saved_updates",
+    "trained_through",
+    "fallback_reads",
+    "applied_late",
     "final_auc",
     "final_logloss",
     "auc_change",
@@ -700,6 +714,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--priority-half",
         action="store_true",
         help="priority saves and flushes store weights as float16 (optimizer state stays float32)",
+    )
+    ap.add_argument(
+        "--train-through",
+        action="store_true",
+        help="partial, partial-mfu, partial-ssu, incremental and log restore in the background while training goes "
+        "on (their failure time is what the trainers waited; columns trained_through, fallback_reads, applied_late)",
     )
     ap.add_argument("--failure-rate", type=float, default=0.005, help="shard failures per step (seeded schedule)")
     ap.add_argument("--seed", type=int, default=0, help="seed of data, model and the failure schedule")

@@ -49,6 +49,7 @@ TIERS = {
         "test_row_cache",
         "test_ebc_equivalence",
         "test_ebc_surface",
+        "test_outage",
     },
     "redis": {
         "test_ebc_equivalence_redis",
