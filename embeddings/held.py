@@ -250,16 +250,14 @@ class HeldRows:
             return rows
 
     def shard_rows(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        """A copy of the rows held of ``shard`` (every shard's without an owner map): (sorted
-        packed keys, rows [n, width])."""
+        """A copy of the rows held of ``shard`` (every shard's without an owner map): (packed keys,
+        rows [n, width]) in slot order."""
         with self._lock:
             sel = self._state == HELD
             if self._owner_of is not None or self._owner_of_keys is not None:
                 sel &= self._owner == shard
             pos = np.flatnonzero(sel)
-            keys = self._key[pos]
-            order = np.argsort(keys, kind="stable")
-            return keys[order], np.take(self._rows, pos[order], axis=0)
+            return self._key[pos], np.take(self._rows, pos, axis=0)
 
     def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """A copy of the rows of packed keys, when every one is held (not counted as a read: the

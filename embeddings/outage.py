@@ -22,19 +22,57 @@ reads them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from embeddings.keyindex import KeyIndex
 
-@dataclass
+
 class _Shard:
-    keys: np.ndarray  # sorted packed keys
-    rows: np.ndarray  # [n, width] float32
-    exact: np.ndarray  # bool [n]
-    dirty: np.ndarray  # bool [n]: an exact row written during the outage
-    kept: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (step, keys, grads)
-    kept_bytes: int = 0
+    """One shard's outage rows in slots (a row keeps its slot), found by key through a vectorised
+    hash index (``embeddings.keyindex``); the slots grow by doubling."""
+
+    def __init__(self, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> None:
+        n, width = len(keys), rows.shape[1]
+        cap = max(1024, n + n // 4)
+        self.keys = np.full(cap, -1, np.int64)
+        self.rows = np.empty((cap, width), np.float32)
+        self.exact = np.zeros(cap, bool)
+        self.dirty = np.zeros(cap, bool)  # an exact row written during the outage
+        self.keys[:n], self.rows[:n], self.exact[:n] = keys, rows, exact
+        self.n = n
+        self.index = KeyIndex(cap, self.keys)
+        self.index.insert(self.keys[:n], np.arange(n, dtype=np.int32))
+        self.kept: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, keys, grads) in step order
+        self.kept_bytes = 0
+
+    def slots(self, keys: np.ndarray) -> np.ndarray:
+        return self.index.lookup(keys)
+
+    def add(self, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> np.ndarray:
+        """New unique keys into the next slots (growing them); -> their slots."""
+        m = len(keys)
+        if self.n + m > len(self.keys):
+            cap = max(2 * len(self.keys), self.n + m)
+            grown = np.full(cap, -1, np.int64)
+            grown[: self.n] = self.keys[: self.n]
+            self.keys = grown
+            self.rows = np.concatenate([self.rows[: self.n], np.empty((cap - self.n, self.rows.shape[1]), np.float32)])
+            self.exact = np.concatenate([self.exact[: self.n], np.zeros(cap - self.n, bool)])
+            self.dirty = np.concatenate([self.dirty[: self.n], np.zeros(cap - self.n, bool)])
+            self.index = KeyIndex(cap, self.keys)
+            self.index.insert(self.keys[: self.n], np.arange(self.n, dtype=np.int32))
+        at = np.arange(self.n, self.n + m, dtype=np.int32)
+        self.keys[at], self.rows[at], self.exact[at] = keys, rows, exact
+        self.index.insert(keys, at)
+        self.n += m
+        return at
+
+    @property
+    def nbytes(self) -> int:
+        """The rows in use, their keys and flags, and the kept gradients."""
+        return self.n * (self.rows.shape[1] * 4 + 8 + 2) + self.kept_bytes
 
 
 @dataclass
@@ -74,14 +112,11 @@ class OutageRows:
 
     # -- an outage begins and ends ----------------------------------------------------------------
     def begin(self, shard: int, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> None:
-        """Shard ``shard`` is away from now on; its writer passes the rows it held (sorted keys)."""
+        """Shard ``shard`` is away from now on; its writer passes the rows it held (unique keys)."""
         self.away.add(shard)
         self.counts[shard] = OutageCounts()
         if shard in self.mine:
-            n = len(keys)
-            self._shards[shard] = _Shard(
-                np.asarray(keys, np.int64).copy(), np.array(rows, np.float32), exact.copy(), np.zeros(n, bool)
-            )
+            self._shards[shard] = _Shard(np.asarray(keys, np.int64), np.asarray(rows, np.float32), exact)
 
     def end(self, shard: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray, np.ndarray]]] | None:
         """The shard rejoins: -> (keys, rows) of the exact rows written during the outage and the
@@ -91,14 +126,15 @@ class OutageRows:
         sh = self._shards.pop(shard, None)
         if sh is None:
             return None
-        return sh.keys[sh.dirty], sh.rows[sh.dirty], sh.kept
+        dirty = np.flatnonzero(sh.dirty[: sh.n])
+        return sh.keys[dirty], sh.rows[dirty], sh.kept
 
     @property
     def active(self) -> bool:
         return bool(self.away)
 
     def used_bytes(self) -> int:
-        return sum(sh.rows.nbytes + sh.keys.nbytes + sh.kept_bytes for sh in self._shards.values())
+        return sum(sh.nbytes for sh in self._shards.values())
 
     def over_budget(self) -> bool:
         return self.used_bytes() > self.budget_bytes
@@ -112,22 +148,15 @@ class OutageRows:
         return mask if mask.any() else None
 
     def _find(self, shard: int, keys: np.ndarray) -> np.ndarray:
-        """Positions of ``keys`` (sorted) in the shard's rows, adding fallback rows for keys not there."""
+        """Slots of ``keys`` (unique) in the shard's rows, adding fallback rows for keys not there."""
         sh = self._shards[shard]
-        pos = np.searchsorted(sh.keys, keys)
-        found = pos < len(sh.keys)
-        found[found] = sh.keys[pos[found]] == keys[found]
-        if not found.all():
-            new = keys[~found]
-            keys_all = np.concatenate([sh.keys, new])
-            order = np.argsort(keys_all, kind="stable")
-            sh.keys = keys_all[order]
-            sh.rows = np.concatenate([sh.rows, self.init(new)])[order]
-            known = self.absent(new) if self.absent is not None else np.zeros(len(new), bool)
-            sh.exact = np.concatenate([sh.exact, known])[order]
-            sh.dirty = np.concatenate([sh.dirty, np.zeros(len(new), bool)])[order]
-            pos = np.searchsorted(sh.keys, keys)
-        return pos
+        slots = sh.slots(keys)
+        new = slots < 0
+        if new.any():
+            k = keys[new]
+            known = self.absent(k) if self.absent is not None else np.zeros(len(k), bool)
+            slots[new] = sh.add(k, self.init(k), known)
+        return slots
 
     def own_rows(self, keys: np.ndarray, count: bool = False, keep: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys`` (sorted, all of shards this trainer writes that are away) and which are
@@ -154,12 +183,11 @@ class OutageRows:
     def _peek(self, shard: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """As ``_find``, adding nothing: a key not there reads its fallback value."""
         sh = self._shards[shard]
-        pos = np.searchsorted(sh.keys, keys)
-        found = pos < len(sh.keys)
-        found[found] = sh.keys[pos[found]] == keys[found]
+        slots = sh.slots(keys)
+        found = slots >= 0
         rows = np.empty((len(keys), sh.rows.shape[1]), np.float32)
         exact = np.zeros(len(keys), bool)
-        rows[found], exact[found] = sh.rows[pos[found]], sh.exact[pos[found]]
+        rows[found], exact[found] = sh.rows[slots[found]], sh.exact[slots[found]]
         if not found.all():
             rows[~found] = self.init(keys[~found])
             if self.absent is not None:

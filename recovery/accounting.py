@@ -77,9 +77,8 @@ class Ledger:
         if step is None:
             return
         self.last_update[counts > 0] = step
-        if self.keep_recent:
-            self.recent[step] = self.counter.total.copy()
-            self.recent.pop(step - RECENT, None)
+        self.recent[step] = self.counter.total.copy()  # a restore is as of any step (a replica's, a window's,
+        self.recent.pop(step - RECENT, None)  # the step before a failed write-behind's)
 
     def totals_at(self, step: int) -> np.ndarray | None:
         return self.recent.get(step, self.counter.at_step.get(step))
@@ -89,7 +88,9 @@ class Ledger:
         ``completed``, or with windows the step before the failed write's first step (that write's
         steps are redone on the restored shard, so they are not lost)."""
         if not self.windowed or not redo_steps:
-            return completed, self.counter.total
+            # the totals as of ``completed``: a write-behind's step counted since is redone, not lost
+            at = self.totals_at(completed)
+            return completed, at if at is not None and completed in self.recent else self.counter.total
         end = min(redo_steps) - 1
         totals = self.totals_at(end)
         if end <= 0:
@@ -112,8 +113,9 @@ class Ledger:
         samples_since = max(0, end - since_step) * self.batch_size
         rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
         self.lost.append(rec["lost_samples"])
-        self.since[shard] = (completed, self.counter.total.tolist())
-        rec["_since"] = [completed, self.counter.total.tolist()]
+        after = self.counter.total if self.windowed else end_totals  # what a later restore counts from
+        self.since[shard] = (completed, after.tolist())
+        rec["_since"] = [completed, after.tolist()]
 
     def replica(self, rec: dict, shard: int, at: int, completed: int, redo_steps: list[int]) -> None:
         """A promoted replica holds every write up to its applied step ``at``: the later ones are lost."""

@@ -46,10 +46,10 @@ class Restored:
 
 
 class Restorer:
-    """Brings failed shards back under one strategy (rank 0). ``through``: on a background thread
-    while the steps go on (``recovery.through``)."""
+    """Brings failed shards back under one strategy (rank 0); with ``through_upto``, on a background
+    thread while the steps go on (``recovery.through``)."""
 
-    through = False
+    through_upto: int | None = None  # (on that thread) the step of the failure: the log replay stops there
 
     def __init__(
         self,
@@ -212,8 +212,9 @@ class WithLog(FromCheckpoint):
         if self.log_dir is None:
             raise RecoveryError("log recovery needs --log-dir")
         records, last = ShardLog(self.log_dir, shard).replay(after_step, need)
-        if self.through:  # its writer appends the outage's steps meanwhile: the shard comes back as of ``need``
-            records, last = [r for r in records if r.step <= need], min(last, need)
+        upto = self.through_upto
+        if upto is not None:  # its writer appends the outage's steps meanwhile: back as of the failure
+            records, last = [r for r in records if r.step <= upto], min(last, upto)
         replayed = 0
         by_table: dict[int, tuple[list, list]] = {}
         for r in records:

@@ -163,6 +163,11 @@ class TrainThrough:
             self.journal.note(
                 f"step {step} {phase}: shard {s} away, restored in the background ({len(keys)} rows held)"
             )
+        if exact:
+            # the rows a write-behind that failed there handed over are held (and logged): they are in
+            # the outage rows and the restore brings them, so its steps are not redone; under the
+            # partial strategies they are, through the outage rows, and their gradients kept
+            self.writes.drop_redo(failed)
         self.drain()
         if self.rank == 0:
             self.journal.mark_in_recovery(sorted(self.away))
@@ -171,7 +176,9 @@ class TrainThrough:
             self._lost_before = len(ledger.lost)
             journal = DeferredJournal(self.journal)
             restorer = self.make_restorer(ledger, journal)
-            restorer.through = True
+            # the log holds every step up to the phase's (a failed write-behind's too: its records went
+            # with it); the writer appends the outage's steps meanwhile: the replay stops there
+            restorer.through_upto = step
 
             def run() -> None:
                 try:

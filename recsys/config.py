@@ -355,7 +355,7 @@ class RecoveryConfig:
     """A failed shard is restored in the background while every trainer keeps stepping (partial,
     partial-mfu, partial-ssu, incremental, log): its writer's cached rows are read exactly, other rows
     from a fallback (counted), their updates applied to the restored rows when the shard rejoins.
-    Each step's rows are written before the next (no write-behind)."""
+    Not with write-behind windows (--write-every > 1)."""
     through_budget_mb: float = 1024.0
     """With train_through: MB one trainer's outage rows and kept gradients may take; past it the run
     waits for the restore (one line)."""
@@ -513,7 +513,7 @@ class RunConfig:
                 self.embeddings.write_every == 1,
                 "write_every",
                 self.embeddings.write_every,
-                "--train-through writes each step's rows before the next: no windows",
+                "--train-through writes each step's rows behind the next at most: no windows",
             )
         if self.embeddings.write_every > 1:
             _check(

@@ -123,7 +123,7 @@ def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
         priority_half=rc.priority_half,
         shard_restart_timeout=rc.shard_restart_timeout,
         replica_wait=e.replica_wait,
-        write_behind=e.write_behind and not rc.train_through,  # train-through writes each step's rows at once
+        write_behind=e.write_behind,
         write_every=e.write_every,
         train_through=rc.train_through,
         through_budget_mb=rc.through_budget_mb,
