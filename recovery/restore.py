@@ -70,6 +70,8 @@ class ShardRestore:
         self.newest_usable = 0  # the newest checkpoint step the restore in progress may use
         self.started_empty: set[int] = set()  # local shards a --resume started anew (empty): restored, not failed
         self.promoted: set[int] = set()  # replicas promoted in this round (a retry waits for them)
+        # a restore on a background thread (--train-through): the commit point's ``Detector.seen_at``
+        self.seen_at: int | None = None
 
     def checkpoint_for(
         self, shards: list[int], record: dict, lap: Callable[[str], None] = no_lap, whole=False
@@ -173,10 +175,10 @@ class ShardRestore:
             began = fired if fired is not None else detected
         elif fired is not None:
             began = max(began, fired)  # a call that began before the failure lost only what came after it
-        seen = step
-        if d.seen_at is not None:  # a write-behind's failure: it happened in steps step .. seen_at
+        seen, seen_at = step, self.seen_at if self.seen_at is not None else d.seen_at
+        if seen_at is not None:  # a write-behind's failure: it happened in steps step .. seen_at
             at = inj.fired_step(target) if inj is not None else None
-            seen = at if at is not None and step <= at <= d.seen_at else step
+            seen = at if at is not None and step <= at <= seen_at else step
         return {
             "kind": kind,
             "target": target,

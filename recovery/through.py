@@ -172,6 +172,7 @@ class TrainThrough:
         if self.rank == 0:
             self.journal.mark_in_recovery(sorted(self.away))
             self.tools.newest_usable = step
+            self.tools.seen_at = self.detector.seen_at  # the thread's records name the step it fired at
             ledger = copy.deepcopy(self.ledger)  # the update counts as of the failure
             self._lost_before = len(ledger.lost)
             journal = DeferredJournal(self.journal)
@@ -274,6 +275,7 @@ class TrainThrough:
             self.detector.forget(s)
         self.drain()
         self._thread, self._result = None, (None, None, None, None)
+        self.tools.seen_at = None
         if self.rank != 0:
             return
         self.ledger.lost.extend(ledger.lost[self._lost_before :])

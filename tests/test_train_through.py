@@ -16,7 +16,7 @@ import pytest
 from tests import procs
 from tests.conftest import train_cli
 
-ONE = ["--steps", "70", "--trainers", "1", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
+ONE = ["--steps", "60", "--trainers", "1", "--shards", "3", "--rows-per-table", "2000", "--batch-size", "256"]
 ONE += ["--embedding-dim", "8", "--eval-every", "0", "--log-every", "5", "--checkpoint-every", "40"]
 HELD = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:2"]  # shard 1 away from step 25, 2 s
 
