@@ -239,6 +239,7 @@ class TrainThrough:
     def rejoin(self, step: int, waited_s: float) -> None:
         """Every trainer at the start of ``step``: the restored shards take their outage rows and
         serve their reads again."""
+        t0 = time.perf_counter()
         n = self.store.num_shards
         verdict, error, ledger, journal = self._result if self.rank == 0 else (None, None, None, None)
         mine = None
@@ -267,7 +268,8 @@ class TrainThrough:
                 self._write_back(s, *back, step)
                 if self.journal.run_dir is not None:
                     layout.kept_updates_file(self.journal.run_dir, s).unlink(missing_ok=True)
-        counts = self.collective.sum_floats(counts)
+        counts = self.collective.sum_floats(counts)  # every writer's write-back is done
+        rejoin_s = time.perf_counter() - t0  # every trainer waited for the write-back too
         failed_at = dict(self.away)
         self.away.clear()
         for s in shards:
@@ -285,7 +287,8 @@ class TrainThrough:
         for rec, phase in journal.finished:
             s = int(rec["target"])
             rec["trained_through_steps"] = step - failed_at.get(s, step)
-            rec["waited_s"] = round(waited_s, 4)
+            rec["rejoin_s"] = round(rejoin_s, 4)
+            rec["waited_s"] = round(waited_s + rejoin_s, 4)
             rec["rows_read_exact"] = int(counts[s])
             rec["rows_read_fallback"] = int(counts[n + s])
             rec["updates_applied_exact"] = int(counts[2 * n + s])
