@@ -18,6 +18,7 @@ table; ``RedisStore.load_snapshot`` writes them back over the protocol.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anycrc
 import numpy as np
 import redis
 
@@ -241,29 +243,45 @@ class _Reader:
             return lzf_decompress(self.take(clen), ulen)
         self.fail(f"unknown string encoding {n}")
 
+    def skip_string(self) -> None:
+        """Past one string, without decoding it (an LZF-compressed one stays compressed)."""
+        n, special = self.length()
+        if not special:
+            self.take(n)
+        elif n <= 2:
+            self.take(1 << n)
+        elif n == 3:
+            clen, _ = self.length()
+            self.length()
+            self.take(clen)
+        else:
+            self.fail(f"unknown string encoding {n}")
+
     def skip_value(self, kind: int) -> None:
-        if kind in (1, 2, 14):  # list, set, quicklist: n strings
+        if kind == 0:
+            self.skip_string()
+        elif kind in (1, 2, 14):  # list, set, quicklist: n strings
             for _ in range(self.length()[0]):
-                self.string()
+                self.skip_string()
         elif kind == 4:  # hash: n pairs
             for _ in range(2 * self.length()[0]):
-                self.string()
+                self.skip_string()
         elif kind == 3:  # zset with string scores
             for _ in range(self.length()[0]):
-                self.string()
+                self.skip_string()
                 n = self.byte()
                 if n < 253:
                     self.take(n)
         elif kind == 5:  # zset with binary scores
             for _ in range(self.length()[0]):
-                self.string()
+                self.skip_string()
                 self.take(8)
         elif kind in (9, 10, 11, 12, 13, 16, 17):  # one encoded blob
-            self.string()
+            self.skip_string()
         elif kind == 18:  # quicklist 2: n (container, blob)
             for _ in range(self.length()[0]):
                 self.length()
-                self.string()
+                self.skip_string()
         else:
             self.fail(f"value type {kind} (stream or module) cannot be skipped")
 
@@ -283,56 +301,139 @@ def read_strings(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes
 def read_keys(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, Value]]:
     """(key, value) of every string and hash key that starts with ``prefix`` in the RDB file at
     ``path``: a string's bytes, a hash's (field, value) pairs (in the order the server keeps them)."""
+    with _mapped(path) as r:
+        for op, key in _walk(r):
+            if not key.startswith(prefix):
+                r.skip_value(op)
+            elif op == 0:
+                yield key, r.string()
+            elif op == _HASH_LISTPACK:
+                yield key, _pairs(listpack_entries(r.string(), r), r, key)
+            elif op == _HASH:
+                n = r.length()[0]
+                yield key, [(r.string(), r.string()) for _ in range(n)]
+            elif op == _HASH_ZIPLIST:
+                r.fail(f"hash {key!r} is ziplist-encoded (a Redis 6 server): not read here, use Redis 7")
+            else:
+                r.skip_value(op)
+
+
+@contextlib.contextmanager
+def _mapped(path: str | os.PathLike) -> Iterator[_Reader]:
+    """A reader over the file at ``path``, mapped (``ShardDataError`` for an empty file)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise ShardDataError(f"snapshot {path}: empty file")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             r = _Reader(memoryview(mm), str(path))
             try:
-                magic = bytes(r.take(9))
-                if not magic.startswith(b"REDIS"):
-                    r.fail(f"not an RDB file (starts with {magic[:5]!r})")
-                while True:
-                    op = r.byte()
-                    if op == _EOF:
-                        return
-                    if op == _AUX:
-                        r.string()
-                        r.string()
-                    elif op == _SELECTDB:
-                        r.length()
-                    elif op == _RESIZEDB:
-                        r.length()
-                        r.length()
-                    elif op == _EXPIRE_MS:
-                        r.take(8)
-                    elif op == _EXPIRE_S:
-                        r.take(4)
-                    elif op == _FREQ:
-                        r.byte()
-                    elif op == _IDLE:
-                        r.length()
-                    elif op == _FUNCTION2:
-                        r.string()
-                    elif op <= 19:
-                        key = r.string()
-                        if op == 0:
-                            value = r.string()
-                            if key.startswith(prefix):
-                                yield key, value
-                        elif op == _HASH_LISTPACK and key.startswith(prefix):
-                            yield key, _pairs(listpack_entries(r.string(), r), r, key)
-                        elif op == _HASH and key.startswith(prefix):
-                            n = r.length()[0]
-                            yield key, [(r.string(), r.string()) for _ in range(n)]
-                        elif op == _HASH_ZIPLIST and key.startswith(prefix):
-                            r.fail(f"hash {key!r} is ziplist-encoded (a Redis 6 server): not read here, use Redis 7")
-                        else:
-                            r.skip_value(op)
-                    else:
-                        r.fail(f"unknown opcode {op:#x}")
+                yield r
             finally:
                 r.buf.release()
+
+
+def _walk(r: _Reader) -> Iterator[tuple[int, bytes]]:
+    """(value type, key) of every key of the file, the reader at its value each time: the consumer
+    reads or skips it before the next."""
+    magic = bytes(r.take(9))
+    if not magic.startswith(b"REDIS"):
+        r.fail(f"not an RDB file (starts with {magic[:5]!r})")
+    while True:
+        op = r.byte()
+        if op == _EOF:
+            return
+        if op == _AUX:
+            r.string()
+            r.string()
+        elif op == _SELECTDB:
+            r.length()
+        elif op == _RESIZEDB:
+            r.length()
+            r.length()
+        elif op == _EXPIRE_MS:
+            r.take(8)
+        elif op == _EXPIRE_S:
+            r.take(4)
+        elif op == _FREQ:
+            r.byte()
+        elif op == _IDLE:
+            r.length()
+        elif op == _FUNCTION2:
+            r.string()
+        elif op <= 19:
+            yield op, r.string()
+        else:
+            r.fail(f"unknown opcode {op:#x}")
+
+
+# -- serialized values, as RESTORE takes them ----------------------------------------------------
+CRC64 = anycrc.Model("CRC64-REDIS")  # Redis's CRC-64 (Jones): DUMP payloads and RDB files end with it
+
+
+def _check_sum(r: _Reader) -> bool:
+    """The file's own checksum (its last 8 bytes: CRC-64 of everything before them) against its
+    bytes; -> False where the server wrote none (``rdbchecksum no``). ``ShardDataError`` if they differ."""
+    n = len(r.buf)
+    if n < 18 or r.buf[n - 9] != _EOF:
+        r.fail(f"{n} bytes: no end marker and checksum where an RDB file ends")
+    stored = struct.unpack_from("<Q", r.buf, n - 8)[0]
+    if stored == 0:
+        return False
+    got = CRC64.calc(r.buf[: n - 8])
+    if got != stored:
+        raise ShardDataError(
+            f"snapshot {r.source}: its bytes do not match its checksum ({got:#018x}, the file says {stored:#018x}): "
+            "the file is damaged"
+        )
+    return True
+
+
+def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, int, bytearray]]:
+    """(key, value type, payload) of every key that starts with ``prefix`` in the RDB file at
+    ``path``, the payload as ``RESTORE`` takes it (and ``DUMP`` gives it): the value's type byte and
+    its encoding as the file holds it (a listpack stays one blob, a compressed string stays
+    compressed), then the file's RDB version (2 bytes) and a CRC-64 of all that (8 bytes).
+
+    Nothing is given before the whole file has matched its own checksum (where the server wrote
+    one); a row bucket's listpack must frame (its length and end byte). A damaged file is a
+    ``ShardDataError`` naming it, before any payload reaches a server. Expiry times are not kept
+    (the store sets none)."""
+    with _mapped(path) as r:
+        version = bytes(r.buf[5:9])
+        if not version.isdigit():
+            r.fail(f"RDB version {version!r} is not a number")
+        footer = struct.pack("<H", int(version))
+        _check_sum(r)
+        for op, key in _walk(r):
+            start = r.pos
+            if not key.startswith(prefix):
+                r.skip_value(op)
+                continue
+            n, special = r.length() if op == _HASH_LISTPACK else (0, True)
+            r.pos = start
+            r.skip_value(op)
+            end = r.pos
+            if not special:  # an uncompressed listpack: its header's length and its end byte
+                if n < 7 or struct.unpack_from("<I", r.buf, end - n)[0] != n or r.buf[end - 1] != 0xFF:
+                    r.fail(f"hash {key!r}: {n} bytes do not frame a listpack")
+            out = bytearray(end - start + 11)
+            out[0] = op
+            out[1 : end - start + 1] = r.buf[start:end]
+            out[-10:-8] = footer
+            struct.pack_into("<Q", out, len(out) - 8, CRC64.calc(memoryview(out)[:-8]))
+            yield key, op, out
+
+
+def decode_value(kind: int, payload: bytes | bytearray, source: str) -> Value:
+    """A string's bytes or a hash's pairs, from a ``restore_payloads`` payload (to check a sample)."""
+    r = _Reader(memoryview(payload)[1:-10], source)
+    if kind == 0:
+        return r.string()
+    if kind == _HASH_LISTPACK:
+        return _pairs(listpack_entries(r.string(), r), r, b"")
+    if kind == _HASH:
+        return [(r.string(), r.string()) for _ in range(r.length()[0])]
+    r.fail(f"value type {kind} is not a string or a hash")
 
 
 def _pairs(entries: list[bytes], r: _Reader, key: bytes) -> list[tuple[bytes, bytes]]:

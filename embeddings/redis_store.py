@@ -104,6 +104,7 @@ class RedisStore(StoreBase):
         # a bucket's rows are hashed over every shard (``row`` placement), so its span grows with them
         self.layout = BucketLayout(spread=len(urls) if placement == "row" else 1)
         self._listpack_ok = [False] * len(urls)  # the server's listpack limits checked on this connection
+        self.restore_refused: dict[str, str] = {}  # endpoint -> why it refused RESTORE (load_snapshot)
         self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
         kwargs = dict(
             socket_timeout=timeout_s,
@@ -831,33 +832,13 @@ class RedisStore(StoreBase):
 
         return NetworkSnapshot(self._pools[shard], info, dest, shard, self.endpoints[shard], timeout_s)
 
-    def load_snapshot(self, shard: int, path, chunk_rows: int = 20_000) -> int:
-        """Write this namespace's keys of the RDB file at ``path`` onto one shard (over the protocol,
-        pipelined writes of ``chunk_rows`` rows, one HSET per bucket; the bookkeeping keys in one transaction); returns the bytes written."""
-        from embeddings.rdb import group_rows, read_keys
+    def load_snapshot(self, shard: int, path) -> int:
+        """This namespace's keys of the RDB file at ``path`` onto one shard, over the protocol: one
+        ``RESTORE`` per key, else (a server that refuses it, said in one line) one HSET per bucket
+        (``embeddings.snapshot_load``); -> the bytes sent."""
+        from embeddings.snapshot_load import load_snapshot
 
-        ns = self.key_namespace(shard)
-        widths = [4 * self.width(t) for t in range(len(self.tables.specs))]
-        tables, other = group_rows(read_keys(path, f"{ns}:".encode()), ns, self.layout, widths)
-        written = 0
-        for t, (ids, values) in tables.items():
-            rows = np.frombuffer(values, "<f4").reshape(len(ids), self.width(t))
-            for lo in range(0, len(ids), chunk_rows):
-                self.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
-            written += ids.nbytes + rows.nbytes
-        if other:  # bookkeeping strings (and any other hash of the namespace, field by field)
-            cmds = [
-                [b"SET", k, v] if isinstance(v, bytes) else [b"HSET", k, *(x for p in v for x in p)] for k, v in other
-            ]
-            cmds = [c for c in cmds if len(c) > 2]
-
-            def run():
-                with self._locks[shard]:
-                    return self._wires[shard].send_commands(cmds)
-
-            self._call(shard, run)
-            written += sum(sum(len(x) for x in c[1:]) for c in cmds)
-        return written
+        return load_snapshot(self, shard, path)
 
     # -- maintenance ---------------------------------------------------------------------
     def clear(self) -> int:

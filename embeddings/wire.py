@@ -80,6 +80,12 @@ def _error(msg: str) -> Exception:
     return WireError(msg)
 
 
+def _restore_command(key: bytes, payload: bytes | bytearray) -> tuple[bytes, bytes | bytearray, bytes]:
+    """``RESTORE key 0 payload REPLACE`` in three pieces (the payload is not copied)."""
+    head = b"*5\r\n$7\r\nRESTORE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n" % (len(key), key, len(payload))
+    return head, payload, b"\r\n$7\r\nREPLACE\r\n"
+
+
 def _bulk_rows(block: np.ndarray, head: bytes) -> bool:
     """Is every row of ``block`` ([n, stride]) one bulk reply ``head + value + CRLF``?"""
     if not len(block):
@@ -354,6 +360,50 @@ class RowConnection:
                     self._fail(line + b"\r\n")
 
         self._run(run)
+
+    def restore_one(self, key: bytes, payload: bytes | bytearray) -> str | None:
+        """``RESTORE key 0 payload REPLACE`` alone: -> None when the server took it, else its error
+        text (a server that refuses the command: an ACL, a renamed command, an older RDB version)."""
+
+        def run():
+            self._send(b"".join(_restore_command(key, payload)))
+            line = self._line()
+            if line == b"+OK":
+                return None
+            if line.startswith(b"-"):
+                return line[1:].decode(errors="replace")
+            self._fail(line + b"\r\n")
+
+        return self._run(run)
+
+    def restore_many(self, payloads, batch_bytes: int = 8 << 20) -> int:
+        """``RESTORE key 0 payload REPLACE`` for each (key, payload), pipelined in batches of about
+        ``batch_bytes``: the server loads one batch while the next is built and sent. Each batch
+        gets the connection's timeout. -> keys restored."""
+
+        def run():
+            done, in_flight, parts, size, count = 0, 0, [], 0, 0
+            for key, payload in payloads:
+                parts += _restore_command(key, payload)
+                size += len(payload)
+                count += 1
+                if size >= batch_bytes:
+                    done += self._restore_batch(parts, in_flight)
+                    in_flight, parts, size, count = count, [], 0, 0
+            done += self._restore_batch(parts, in_flight)
+            self._deadline = time.monotonic() + self.timeout_s
+            self._expect(b"+OK\r\n" * count)
+            return done + count
+
+        return self._run(run)
+
+    def _restore_batch(self, parts: list, in_flight: int) -> int:
+        """Send a batch, then read the replies of the one before it (-> how many)."""
+        self._deadline = time.monotonic() + self.timeout_s
+        if parts:
+            self._send(b"".join(parts))
+        self._expect(b"+OK\r\n" * in_flight)
+        return in_flight
 
     def _get(self, key: bytes) -> bytes | None:
         self._send(encode_command([b"GET", key]))

@@ -59,6 +59,7 @@ TIERS = {
         "test_launcher",
         "test_redis_misuse",
         "test_layout",
+        "test_restore_wire",
     },
     "chaos": {"test_chaos"},
     "cluster": {"test_remote"},

@@ -1,0 +1,126 @@
+"""A shard's snapshot loaded back over the protocol, onto a server the project may not have started.
+
+Each key goes as one serialized value, ``RESTORE key 0 payload REPLACE``: a row bucket is one
+listpack, sent as the checkpoint's RDB file holds it, which is how Redis loads its own file. The
+payloads are cut from the file (``embeddings.rdb.restore_payloads``: the file's own checksum first,
+each listpack's framing, a CRC-64 per payload) and pipelined in batches of a few MB, one batch in
+flight while the next is built. The first row bucket of each table is decoded and checked against
+the run's layout (its table, row width and fields) before anything is sent; every key's table must
+be one of the run's. The bookkeeping strings (applied marker, undo record) go last.
+
+A server that refuses ``RESTORE`` (an ACL without it, a renamed command, an RDB version newer than
+the server's) answers the first payload with an error: one line says so, and the rows go over the
+older path, one ``HSET`` per bucket (``load_by_hset``), with the same result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embeddings.errors import ShardDataError
+from embeddings.rdb import decode_value, group_rows, read_keys, restore_payloads
+from embeddings.wire import WireError
+
+# errors that say the server is not serving now (not that it refuses RESTORE): raised, not fallen back from
+_UNAVAILABLE = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "OOM")
+
+
+def load_snapshot(store, shard: int, path) -> int:
+    """This namespace's keys of the RDB file at ``path`` onto one shard (existing buckets of the same
+    keys are replaced); -> the bytes of the values sent."""
+    store._forget(shard)
+    store._fit_listpack(shard)
+    endpoint = store.endpoints[shard]
+    if endpoint not in store.restore_refused:
+        sent = _by_restore(store, shard, path)
+        if sent is not None:
+            return sent
+    return load_by_hset(store, shard, path)
+
+
+def _by_restore(store, shard: int, path) -> int | None:
+    """-> bytes sent, or None where the server refused the first ``RESTORE`` (noted, one line)."""
+    ns = store.key_namespace(shard)
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    head = f"{ns}:".encode()
+    later: list[tuple[bytes, bytearray]] = []
+    seen: set[int] = set()
+    sent = [0]
+
+    def rows_first():
+        for key, kind, payload in restore_payloads(path, head):
+            _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
+            sent[0] += len(payload) - 11
+            if kind == 0:  # bookkeeping: after the rows
+                later.append((key, payload))
+            else:
+                yield key, payload
+
+    wire = store._wires[shard]
+
+    def run() -> int | None:
+        with store._locks[shard]:
+            items = rows_first()
+            first = next(items, None) or (later.pop() if later else None)
+            if first is None:
+                return 0
+            refused = wire.restore_one(*first)
+            if refused is not None:
+                items.close()
+                if refused.startswith(_UNAVAILABLE):
+                    raise WireError(refused)  # mapped to unavailable / data error by ``_call``
+                _refuse(store, shard, refused)
+                return None
+            wire.restore_many(items)
+            wire.restore_many(later)
+            return sent[0]
+
+    return store._call(shard, run)
+
+
+def _refuse(store, shard: int, why: str) -> None:
+    endpoint = store.endpoints[shard]
+    store.restore_refused[endpoint] = why
+    store.warn(
+        f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its rows are loaded one HSET per bucket instead"
+    )
+
+
+def _check(key, kind, payload, head, ns, layout, widths, seen: set[int], source: str) -> None:
+    """Every key's table is one of the run's; the first row bucket of each table decodes, and its
+    rows are of the table's width in fields of the layout (``group_rows``' checks)."""
+    t, sep, bucket = key[len(head) :].partition(b":")
+    if not (sep and t.isdigit() and len(bucket) == 8):
+        return  # not a row bucket: bookkeeping
+    table = int(t)
+    if table >= len(widths):
+        raise ShardDataError(f"snapshot: bucket {key!r} of table {table}, which the run does not have")
+    if table in seen and kind != 0:
+        return
+    seen.add(table)
+    group_rows(iter([(key, decode_value(kind, payload, source))]), ns, layout, widths)
+
+
+def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
+    """The older path: the file parsed into rows, written with pipelined writes of ``chunk_rows``
+    rows (one HSET per bucket), the bookkeeping keys in one transaction; -> bytes written."""
+    ns = store.key_namespace(shard)
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    tables, other = group_rows(read_keys(path, f"{ns}:".encode()), ns, store.layout, widths)
+    written = 0
+    for t, (ids, values) in tables.items():
+        rows = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
+        for lo in range(0, len(ids), chunk_rows):
+            store.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
+        written += ids.nbytes + rows.nbytes
+    if other:  # bookkeeping strings (and any other hash of the namespace, field by field)
+        cmds = [[b"SET", k, v] if isinstance(v, bytes) else [b"HSET", k, *(x for p in v for x in p)] for k, v in other]
+        cmds = [c for c in cmds if len(c) > 2]
+
+        def run():
+            with store._locks[shard]:
+                return store._wires[shard].send_commands(cmds)
+
+        store._call(shard, run)
+        written += sum(sum(len(x) for x in c[1:]) for c in cmds)
+    return written

@@ -1,0 +1,142 @@
+"""A shard's snapshot loaded over the protocol as serialized values (``RESTORE``), onto real
+redis-servers: exact for every row width and optimizer state, a server that refuses ``RESTORE``
+falls back with one line, and a damaged file never reaches the server."""
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import redis
+
+from embeddings import SGD, Adagrad, Adam, LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
+from embeddings.errors import ShardDataError
+from embeddings.rdb import CRC64, restore_payloads
+from tests.conftest import track
+from tests.test_layout import bgsave, every_row
+
+# row widths from 2 to 385 floats: buckets of 128 rows down to a few, listpack and hash-table encoded
+TABLES = TableSet([TableSpec("a", 900, 1), TableSpec("b", 700, 16), TableSpec("c", 300, 64), TableSpec("d", 40, 128)])
+
+
+def fill(store: RedisStore, rng, zeros: bool = True) -> dict[str, np.ndarray]:
+    for t in store.tables:
+        ids = np.unique(rng.choice(t.num_rows, t.num_rows // 2))
+        w = store.width(store.tables.index(t.name))
+        rows = rng.standard_normal((len(ids), w)).astype(np.float32)
+        if zeros:
+            rows[::7] = np.float32(-0.0)  # bit patterns survive, not just values (and LZF-compressed buckets)
+        store.write_rows(t.name, ids, rows)
+    store.write_shard(0, [], step=31)
+    return every_row(store)
+
+
+def calls(client: redis.Redis, name: str) -> int:
+    return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize(
+    "opt", [SGD(0.1), Adagrad(0.1), RowWiseAdagrad(0.1), Adam(0.01)], ids=lambda o: type(o).__name__
+)
+def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_state(tmp_path, namespace, opt):
+    rng = np.random.default_rng(7)
+    with LocalShards(2) as sh:
+        track(sh)
+        src = RedisStore(sh.urls[:1], TABLES, opt, namespace=namespace)
+        c0 = redis.Redis.from_url(sh.urls[0])
+        c0.config_set("hash-max-listpack-value", 300)  # the widest rows turn their buckets into hash tables
+        want = fill(src, rng)
+        assert {c0.object("encoding", src.key(t, 0)) for t in range(4) if c0.exists(src.key(t, 0))} >= {b"listpack"}
+        bgsave(c0)
+        path = tmp_path / "shard0.rdb"
+        shutil.copy(sh.spec(0).rdb_path, path)
+        dst = RedisStore(sh.urls[1:], TABLES, opt, namespace=namespace)
+        c1 = redis.Redis.from_url(sh.urls[1])
+        keys = c0.dbsize()
+        sent = dst.load_snapshot(0, path)
+        assert 0 < sent < path.stat().st_size  # the values' bytes, as the file holds them
+        assert calls(c1, "restore") == keys and calls(c1, "hset") == 0 and c1.dbsize() == keys
+        got = every_row(dst)
+        for name in want:
+            np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
+        assert dst.applied_step(0) == 31
+        for key in c0.scan_iter(match=f"{namespace}:*"):  # each key as its server encodes it
+            assert c1.object("encoding", key) == c0.object("encoding", key), key
+        src.close()
+        dst.close()
+
+
+def test_a_server_that_refuses_restore_falls_back_with_one_line_and_the_rows_stay_exact(tmp_path, namespace):
+    rng = np.random.default_rng(3)
+    with LocalShards(2) as sh:
+        track(sh)
+        src = RedisStore(sh.urls[:1], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
+        want = fill(src, rng)
+        bgsave(redis.Redis.from_url(sh.urls[0]))
+        path = tmp_path / "shard0.rdb"
+        shutil.copy(sh.spec(0).rdb_path, path)
+        c1 = redis.Redis.from_url(sh.urls[1])
+        c1.acl_setuser("loader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-restore"])
+        url = sh.urls[1].replace("redis://", "redis://loader:pw@")
+        dst = RedisStore([url], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
+        lines: list[str] = []
+        dst.warn = lines.append
+        dst.load_snapshot(0, path)
+        assert len(lines) == 1 and "refused RESTORE" in lines[0] and "shard 0 at" in lines[0], lines
+        assert "NOPERM" in lines[0] and "HSET" in lines[0] and "pw" not in lines[0], lines
+        assert calls(c1, "hset") > 0
+        got = every_row(dst)
+        for name in want:
+            np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
+        assert dst.applied_step(0) == 31
+        dst.clear_shard(0)
+        dst.load_snapshot(0, path)  # the refusal is remembered: no second probe, no second line
+        assert len(lines) == 1 and every_row(dst)["c"].tobytes() == want["c"].tobytes()
+        src.close()
+        dst.close()
+
+
+def _value_at(path, namespace: str) -> tuple[int, int]:
+    """(offset, length) of a row bucket's listpack in the file (the first one found)."""
+    data = path.read_bytes()
+    key = next(k for k, kind, _ in restore_payloads(path, f"{namespace}:".encode()) if kind == 16)
+    at = data.index(key) + len(key)
+    assert data[at] >> 6 == 1  # a 14-bit length prefix (buckets are under 16 KiB)
+    n = ((data[at] & 0x3F) << 8) | data[at + 1]
+    assert int.from_bytes(data[at + 2 : at + 6], "little") == n  # the listpack's own total
+    return at + 2, n
+
+
+def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path, namespace):
+    rng = np.random.default_rng(5)
+    with LocalShards(2) as sh:
+        track(sh)
+        src = RedisStore(sh.urls[:1], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
+        fill(src, rng, zeros=False)  # random rows: no bucket compresses
+        bgsave(redis.Redis.from_url(sh.urls[0]))
+        good = tmp_path / "good.rdb"
+        shutil.copy(sh.spec(0).rdb_path, good)
+        at, n = _value_at(good, namespace)
+        dst = RedisStore(sh.urls[1:], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
+        c1 = redis.Redis.from_url(sh.urls[1])
+
+        # one flipped bit in a row's value: the file's checksum no longer matches
+        flipped = tmp_path / "flipped.rdb"
+        data = bytearray(good.read_bytes())
+        data[at + n // 2] ^= 0x10
+        flipped.write_bytes(data)
+        with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
+            dst.load_snapshot(0, flipped)
+
+        # a listpack whose length was damaged before the checksum was taken: its framing is caught
+        framed = tmp_path / "framed.rdb"
+        data = bytearray(good.read_bytes())
+        struct.pack_into("<I", data, at, n + 1)
+        struct.pack_into("<Q", data, len(data) - 8, CRC64.calc(bytes(data[:-8])))
+        framed.write_bytes(data)
+        with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
+            dst.load_snapshot(0, framed)
+        assert calls(c1, "restore") == 0 and c1.dbsize() == 0  # neither reached the server
+        assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
+        src.close()
+        dst.close()
