@@ -412,16 +412,46 @@ def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[b
             n, special = r.length() if op == _HASH_LISTPACK else (0, True)
             r.pos = start
             r.skip_value(op)
-            end = r.pos
             if not special:  # an uncompressed listpack: its header's length and its end byte
-                if n < 7 or struct.unpack_from("<I", r.buf, end - n)[0] != n or r.buf[end - 1] != 0xFF:
-                    r.fail(f"hash {key!r}: {n} bytes do not frame a listpack")
-            out = bytearray(end - start + 11)
-            out[0] = op
-            out[1 : end - start + 1] = r.buf[start:end]
-            out[-10:-8] = footer
-            struct.pack_into("<Q", out, len(out) - 8, CRC64.calc(memoryview(out)[:-8]))
-            yield key, op, out
+                _frame(r, key, r.pos - n, n)
+            yield key, op, _payload(op, r.buf, start, r.pos, footer)
+            yield from _buckets(r, prefix, footer)
+
+
+def _frame(r: _Reader, key: bytes, at: int, n: int) -> None:
+    if n < 7 or struct.unpack_from("<I", r.buf, at)[0] != n or r.buf[at + n - 1] != 0xFF:
+        r.fail(f"hash {key!r}: {n} bytes do not frame a listpack")
+
+
+def _payload(op: int, buf, start: int, end: int, footer: bytes) -> bytearray:
+    out = bytearray(end - start + 11)
+    out[0] = op
+    out[1 : end - start + 1] = buf[start:end]
+    out[-10:-8] = footer
+    struct.pack_into("<Q", out, len(out) - 8, CRC64.calc(memoryview(out)[:-8]))
+    return out
+
+
+def _buckets(r: _Reader, prefix: bytes, footer: bytes) -> Iterator[tuple[bytes, int, bytearray]]:
+    """``restore_payloads``' common case, read inline: the keys that follow while they are
+    uncompressed listpack hashes of ``prefix`` with short keys and values under 16 KiB (a row
+    bucket); anything else is left to the generic reader."""
+    buf, size = r.buf, len(r.buf)
+    while True:
+        p = r.pos
+        if p + 2 > size or buf[p] != _HASH_LISTPACK or buf[p + 1] >= 64:
+            return
+        at = p + 2 + buf[p + 1]  # the value's length
+        if at + 2 > size or buf[at] >> 6 != 1:
+            return
+        n = ((buf[at] & 0x3F) << 8) | buf[at + 1]
+        end = at + 2 + n
+        key = bytes(buf[p + 2 : at])
+        if end > size or not key.startswith(prefix):
+            return
+        _frame(r, key, at + 2, n)
+        r.pos = end
+        yield key, _HASH_LISTPACK, _payload(_HASH_LISTPACK, buf, at, end, footer)
 
 
 def decode_value(kind: int, payload: bytes | bytearray, source: str) -> Value:

@@ -38,7 +38,8 @@ class Journal:
 
     def finish(self, rec: dict, phase: str) -> None:
         """A restore ended: its record timed and journaled (a transient refusal is only noted)."""
-        rec["recovery_s"] = round(time.time() - rec.pop("_detected_at"), 4)
+        ended = rec.pop("_ended_at", None) or time.time()  # a restore run beside others: when it ended
+        rec["recovery_s"] = round(ended - rec.pop("_detected_at"), 4)
         rec["phase"] = phase
         if rec.pop("transient", False):  # not a failure: noted, not counted
             self.note(

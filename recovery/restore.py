@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from embeddings import RedisStore, ShardUnavailableError
@@ -98,6 +99,39 @@ class ShardRestore:
         except NoCheckpointError:
             return None
 
+    def candidates_for(
+        self, shard: int, record: dict, lap: Callable[[str], None] = no_lap
+    ) -> Iterator[tuple[Checkpoint | None, Future | None]]:
+        """The checkpoints a restore of ``shard`` may use, newest first (``newest_usable``), each with
+        the verification of its snapshot running on a thread meanwhile: the restore loads it while it
+        is hashed, and ``confirm`` says whether it may keep it. Last, ``(None, None)``: none verified,
+        the shard starts empty."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
+            lap("checkpoint_wait")
+            if self.injector is not None:
+                self.injector.before_restore(lambda: self.latest_shard_file(shard))
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
+                for c in self.checkpointer.candidates():
+                    if c.step <= self.newest_usable:
+                        check = pool.submit(c.verify, [c.shard_file(shard).name])
+                        lap("checkpoint")  # chosen (verified meanwhile: ``confirm``)
+                        yield c, check
+        yield None, None
+
+    def confirm(self, check: Future | None, record: dict, lap: Callable[[str], None] = no_lap) -> bool:
+        """Whether the checkpoint ``check`` verifies (a corrupt one is noted in ``record``)."""
+        if check is None:
+            return True
+        try:
+            check.result()
+            return True
+        except CorruptCheckpointError as e:
+            record.setdefault("corrupt_checkpoints", []).append(str(e))
+            return False
+        finally:
+            lap("verify")
+
     def latest_shard_file(self, shard: int) -> Path | None:
         if self.checkpointer is None:
             return None
@@ -111,8 +145,11 @@ class ShardRestore:
         spec = self.local.get(shard)
         if spec is None:
             self.await_server(shard)
+            lap("await")
             self.store.clear_shard(shard)  # a stalled server comes back with its rows: they go
+            lap("clear")
             restored = self.store.load_snapshot(shard, ckpt.shard_file(shard)) if ckpt is not None else 0
+            lap("load")
             if self.injector is not None:
                 self.injector.during("recovery", exclude=shard)
             self._slow(shard, lap)

@@ -20,6 +20,7 @@ acts on. Adding a strategy is one class here and its line in ``RESTORERS``.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,10 @@ class Restorer:
 
 
 class ShardByShard(Restorer):
-    """Each failed shard on its own; one that fails while another is restored joins the round."""
+    """Each failed shard on its own; one that fails while another is restored joins the round. With
+    ``parallel``, the shards that failed together (a node's) are restored at once, one thread each."""
+
+    parallel = False
 
     def restore(self, shard: int, step: int) -> Restored:
         raise NotImplementedError
@@ -81,18 +85,24 @@ class ShardByShard(Restorer):
         for _ in range(MAX_ATTEMPTS * self.store.num_shards):
             if not pending:
                 break
-            s = pending.pop(0)
-            try:
-                done[s] = r = self.restore(s, step)
-                self.journal.finish(r.rec, phase)
-                self.journal.note(
-                    f"step {step}: shard {s} restored from step {r.rec['restored_from_step']}, now as of {r.as_of}"
-                )
-            except ShardUnavailableError as e:  # a shard died while we restored (this one or another)
+            batch = list(pending) if self.parallel else pending[:1]
+            pending = [s for s in pending if s not in batch]
+            again = False
+            for s, r in self._restore_all(batch, step):
+                if isinstance(r, Restored):
+                    done[s] = r
+                    self.journal.finish(r.rec, phase)
+                    self.journal.note(
+                        f"step {step}: shard {s} restored from step {r.rec['restored_from_step']}, now as of {r.as_of}"
+                    )
+                    continue
+                e = r  # a shard died while we restored (this one or another)
                 self.journal.note(f"step {step}: shard {e.shard} failed while shard {s} was being recovered")
                 self.tools.detector.detected_at.setdefault(e.shard, time.time())
                 self.journal.mark_in_recovery(sorted({*pending, s, e.shard}))
                 pending += [x for x in dict.fromkeys((e.shard, s)) if x not in pending]  # each once
+                again = True
+            if again:
                 retries += 1
                 time.sleep(min(0.05 * retries, 1.0))  # a server still starting or loading: give it time
         if pending:
@@ -106,20 +116,49 @@ class ShardByShard(Restorer):
                 verdict.redo.add(s)
         return verdict
 
+    def _restore_all(self, shards: list[int], step: int) -> list[tuple[int, Restored | ShardUnavailableError]]:
+        """Each shard's restore (on its own thread where there are several): its result or the
+        failure that cut it short. Any other error is raised once every restore has ended."""
+
+        def one(s: int) -> Restored | ShardUnavailableError:
+            try:
+                r = self.restore(s, step)
+            except ShardUnavailableError as e:
+                return e
+            r.rec["_ended_at"] = time.time()
+            return r
+
+        if len(shards) == 1:
+            return [(shards[0], one(shards[0]))]
+        with ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="restore") as pool:
+            futures = [(s, pool.submit(one, s)) for s in shards]
+            wait([f for _, f in futures])
+        return [(s, f.result()) for s, f in futures]
+
 
 class FromCheckpoint(ShardByShard):
     """partial: the shard from its newest verified snapshot; what it had since is counted lost."""
+
+    parallel = True
 
     def restore(self, shard: int, step: int) -> Restored:
         tools = self.tools
         rec = tools.base_record(tools.kind(shard), shard, step)
         lap = Laps(rec)
-        ckpt = tools.checkpoint_for([shard], rec, lap)
-        lap("checkpoint")
-        base = ckpt.step if ckpt is not None else 0
-        rec["restored_from_step"] = base if ckpt is not None else None
-        ahead = self.read_ahead(shard, base, step, lap)
-        rec["restored_bytes"] = tools.restore_shard(shard, ckpt, lap)
+        # the newest checkpoint is loaded while its snapshot is verified; a corrupt one is undone by
+        # the next one's load (nothing reads the shard before this returns)
+        for ckpt, check in tools.candidates_for(shard, rec, lap):
+            base = ckpt.step if ckpt is not None else 0
+            rec["restored_from_step"] = base if ckpt is not None else None
+            ahead = self.read_ahead(shard, base, step, lap)
+            try:
+                rec["restored_bytes"] = tools.restore_shard(shard, ckpt, lap)
+            except Exception:
+                if tools.confirm(check, rec, lap):
+                    raise
+                continue  # a load that failed on a file that does not verify: the next checkpoint
+            if tools.confirm(check, rec, lap):
+                break
         as_of = base if ckpt is not None else -1
         as_of, newest = self.lay_on(shard, ckpt, step, rec, lap, ahead, as_of)
         return Restored(rec, as_of, base if ckpt is not None else -1, newest)
@@ -211,28 +250,35 @@ class WithLog(FromCheckpoint):
         write, bytes read, the last step they hold or ``after_step``)."""
         if self.log_dir is None:
             raise RecoveryError("log recovery needs --log-dir")
-        records, last = ShardLog(self.log_dir, shard).replay(after_step, need)
-        upto = self.through_upto
-        if upto is not None:  # its writer appends the outage's steps meanwhile: back as of the failure
-            records, last = [r for r in records if r.step <= upto], min(last, upto)
-        replayed = 0
-        by_table: dict[int, tuple[list, list]] = {}
-        for r in records:
-            if not len(r.ids):
-                continue
-            ids, rows = by_table.setdefault(r.table, ([], []))
-            ids.append(r.ids)
-            rows.append(r.rows)
-            replayed += r.ids.nbytes + r.rows.nbytes
-        # every record holds whole rows (weights and state) as written: the newest record of a row is
-        # its value at the failure, so one write of each row's newest record replays the log exactly
-        groups = []
-        for t, (ids, rows) in sorted(by_table.items()):
-            ids, rows = np.concatenate(ids), np.concatenate(rows)
-            uniq, first_from_end = np.unique(ids[::-1], return_index=True)
-            groups.append((t, uniq, rows[len(ids) - 1 - first_from_end]))
+        out = log_groups(self.log_dir, shard, after_step, need, self.through_upto)
         lap("replay_read")
-        return groups, replayed, last
+        return out
+
+
+def log_groups(log_dir: Path, shard: int, after_step: int, need: int, upto: int | None = None) -> tuple[list, int, int]:
+    """``WithLog.read_log``'s work (``upto``: no step after it, ``through_upto``): each logged row's
+    newest value, grouped per table, to be written in one ``write_shard`` (one HSET per bucket
+    where the rows are dense, else one per row, pipelined). -> (groups, bytes read, last step)."""
+    records, last = ShardLog(log_dir, shard).replay(after_step, need)
+    if upto is not None:  # its writer appends the outage's steps meanwhile: back as of the failure
+        records, last = [r for r in records if r.step <= upto], min(last, upto)
+    replayed = 0
+    by_table: dict[int, tuple[list, list]] = {}
+    for r in records:
+        if not len(r.ids):
+            continue
+        ids, rows = by_table.setdefault(r.table, ([], []))
+        ids.append(r.ids)
+        rows.append(r.rows)
+        replayed += r.ids.nbytes + r.rows.nbytes
+    # every record holds whole rows (weights and state) as written: the newest record of a row is
+    # its value at the failure, so one write of each row's newest record replays the log exactly
+    groups = []
+    for t, (ids, rows) in sorted(by_table.items()):
+        ids, rows = np.concatenate(ids), np.concatenate(rows)
+        uniq, first_from_end = np.unique(ids[::-1], return_index=True)
+        groups.append((t, uniq, rows[len(ids) - 1 - first_from_end]))
+    return groups, replayed, last
 
 
 class ByReplica(ShardByShard):
@@ -279,7 +325,8 @@ class Full(Restorer):
                 f"full recovery of shards {failed} at step {step}: no verified checkpoint in {where} ({corrupt})"
             )
         rec["restored_from_step"] = ckpt.step
-        rec["restored_bytes"] = sum(tools.restore_shard(s, ckpt) for s in range(n))
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="restore") as pool:  # every shard at once
+            rec["restored_bytes"] = sum(pool.map(lambda s: tools.restore_shard(s, ckpt), range(n)))
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         rec["recomputed_steps"] = step - 1 - ckpt.step
         self.journal.finish(rec, phase)

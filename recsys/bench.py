@@ -27,12 +27,9 @@ interval of ``--intervals`` plus the planner's interval for ``--target-pls`` (ma
 planner's predicted PLS against the measured one) and ``sweep_pareto.png`` (overhead against
 AUC change and against PLS, one line per strategy).
 
-``--scaling``: per shard size (up to 1 GB of rows): the snapshot's training pause and total time
-for a local shard (``BGSAVE`` and a file copy), for a shard known only by URL (a fork streamed
-over the replication protocol) and for a scan copy (its whole time is a pause); then one shard's
-recovery from the local file, over the protocol after its supervisor restarted it empty, by
-replica promotion, a full restore of all shards, and the lower bound of starting a fresh
-``redis-server`` on that shard's snapshot bytes.
+``--scaling``: per shard size, snapshots and every restore path beside Redis's own load of the same
+file and a loopback send of its bytes, a node's shards restored at once, and a log replay's rows/s
+(``recsys.bench_scaling``).
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ import csv
 import json
 import logging
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +46,7 @@ from tqdm import tqdm
 
 from recovery import layout
 from recovery.strategy import Strategy
+from recsys.bench_scaling import bench_scaling, parse_size  # noqa: F401 - parse_size: this module's API too
 from recsys.config import ConfigError
 
 STRATEGIES = ("none", *(s.value for s in Strategy))
@@ -494,199 +491,6 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def scan_copy(store, shard: int, path: Path) -> int:
-    """The scan-based alternative to a fork: SCAN the shard's row buckets, read their rows (HVALS,
-    pipelined) in chunks, write them. Consistent only if nothing writes meanwhile: its time is the
-    pause it would cost. -> bytes."""
-    c, n = store.client(shard), 0
-    with open(path, "wb") as f:
-        keys = []
-        for key in c.scan_iter(match=store.key_namespace(shard) + ":*", count=10_000, _type="hash"):
-            keys.append(key)
-            if len(keys) == 1_000:
-                n += _copy_values(c, keys, f)
-                keys = []
-        n += _copy_values(c, keys, f) if keys else 0
-    return n
-
-
-def _copy_values(client, keys: list, f) -> int:
-    pipe = client.pipeline(transaction=False)
-    for k in keys:
-        pipe.hvals(k)
-    vals = [v for rows in pipe.execute() for v in rows]
-    f.write(b"".join(vals))
-    return sum(len(v) for v in vals)
-
-
-def bench_scaling(args) -> list[dict]:
-    """Per shard size: how a snapshot is taken (local BGSAVE and file copy, a fork streamed over the
-    replication protocol, a scan copy) and what a recovery of that shard costs (local file path,
-    remote path over the protocol, replica promotion, full restore, and the lower bound)."""
-    import shutil
-
-    import torch
-
-    from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
-    from embeddings.launcher import spawn_shard
-    from recovery.checkpoint import Checkpointer
-    from recovery.manager import RecoveryManager
-    from recovery.protocol import Collective
-    from recovery.restore import link_or_copy
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    dim = 64
-    rng = np.random.default_rng(0)
-    for size in tqdm(args.scaling_sizes, desc="scaling", unit="size"):
-        nbytes = parse_size(size)
-        per_shard = max(1, nbytes // (4 * dim))
-        tables = TableSet([TableSpec("t", per_shard * args.scaling_shards, dim)])
-        with LocalShards(args.scaling_shards, replicas=True) as sh:
-            ns = "scale"
-            store = RedisStore(sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=120.0, replica_urls=sh.replica_urls)
-            chunk = 200_000
-            total = per_shard * args.scaling_shards
-            for lo in range(0, total, chunk):
-                ids = np.arange(lo, min(total, lo + chunk))
-                # random rows: a snapshot of constant rows would compress to nothing
-                store.write_rows("t", ids, rng.standard_normal((len(ids), dim), dtype=np.float32))
-            for s in range(args.scaling_shards):
-                store.wait_replicated(s, 600_000)
-            ckpt_dir = out / f"scaling-{size}"
-            ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store, run=ns)
-            dense = {"x": torch.zeros(1)}
-            ckpt.save(0, dense, {"step": 0, "namespace": ns})  # warm-up (DCP's first save, replica syncs)
-            ckpt.wait()
-            local = ckpt.save(1, dense, {"step": 1, "namespace": ns})
-            ckpt.wait()
-            ckpt.network_only = True
-            net = ckpt.save(2, dense, {"step": 2, "namespace": ns})
-            ckpt.wait()
-            shard_bytes = ckpt.candidates()[0].shard_file(0).stat().st_size
-            t0 = time.perf_counter()
-            scan_copy(store, 0, ckpt_dir / "scan.bin")
-            scan_s = time.perf_counter() - t0
-
-            def recover(strategy: str, specs, before=lambda: None, store=store, ckpt=ckpt, sh=sh) -> float:
-                mgr = RecoveryManager(
-                    strategy=strategy,
-                    store=store,
-                    shards=specs,
-                    rank=0,
-                    batch_size=1,
-                    collective=Collective(),
-                    checkpointer=ckpt,
-                )
-                sh.kill(0)
-                t0 = time.time()
-                before()
-                mgr.detected(0, t0)
-                mgr.recover([0], 3, "bench")
-                return mgr.failures[0]["recovery_s"]
-
-            partial_s = recover("partial", sh.specs)
-            # a server the project did not start: its supervisor restarts it empty, rows come over the protocol
-            remote_s = recover("partial", [], before=lambda sh=sh: sh.restart(0))
-            full_s = recover("full", sh.specs)
-            sh.await_replica(0, timeout_s=600)  # the replica has resynced with its restored primary
-            replica_s = recover("replica", sh.specs)
-            # lower bound: the snapshot is already in place; start a server on it and wait until it serves
-            spec = sh.spec(0)
-            sh.kill(0)
-            link_or_copy(ckpt.candidates()[0].shard_file(0), spec.rdb_path)
-            t0 = time.perf_counter()
-            spawn_shard(spec, die_with_parent=False, timeout_s=600)
-            lower_s = time.perf_counter() - t0
-            shard_file = ckpt.candidates()[0].shard_file(0)
-            disk_s, loopback_s = read_seconds(shard_file), loopback_seconds(shard_file)
-            store.close()
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        gb = shard_bytes / 1e9
-        rows.append(
-            {
-                "rows_per_shard": per_shard,
-                "shard_snapshot_mb": round(shard_bytes / 1e6, 1),
-                "snapshot_pause_local_s": round(local.pause_s, 4),
-                "snapshot_total_local_s": round(local.total_s, 3),
-                "snapshot_pause_network_s": round(net.pause_s, 4),
-                "snapshot_total_network_s": round(net.total_s, 3),
-                "scan_copy_pause_s": round(scan_s, 3),
-                "recovery_local_file_s": round(partial_s, 3),
-                "recovery_remote_s": round(remote_s, 3),
-                "recovery_replica_s": round(replica_s, 4),
-                "full_restore_s": round(full_s, 3),
-                "load_lower_bound_s": round(lower_s, 3),
-                # seconds per GB of shard snapshot: the restores, and their sources
-                "restore_local_s_per_gb": round(partial_s / gb, 2),
-                "restore_remote_s_per_gb": round(remote_s / gb, 2),
-                "redis_load_s_per_gb": round(lower_s / gb, 2),
-                "disk_read_s_per_gb": round(disk_s / gb, 3),
-                "loopback_send_s_per_gb": round(loopback_s / gb, 3),
-                "local_x_redis_load": round(partial_s / lower_s, 2),
-                "remote_x_loopback": round(remote_s / loopback_s, 1),
-                "shards": args.scaling_shards,
-            }
-        )
-    cols = list(rows[0])
-    md = (
-        f"Snapshots and recovery against shard size ({args.scaling_shards} shards with a replica each, "
-        f"64-dim float32 rows; pauses are what training waits for)\n\n{markdown(rows, cols)}\n"
-    )
-    (out / "scaling.md").write_text(md)
-    with open(out / "scaling.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-    print(md)
-    return rows
-
-
-def read_seconds(path: Path) -> float:
-    """Seconds to read a file start to end (the source of a restore from a local file, as it stands:
-    a snapshot just written is likely in the page cache)."""
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(16 << 20):
-            pass
-    return time.perf_counter() - t0
-
-
-def loopback_seconds(path: Path) -> float:
-    """Seconds to send a file's bytes over a loopback TCP socket to a reader that drops them (the
-    network source of a restore over the protocol, without Redis)."""
-    import socket
-    import threading
-
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-
-    def drain() -> None:
-        conn, _ = server.accept()
-        with conn:
-            while conn.recv(1 << 20):
-                pass
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as c, open(path, "rb") as f:
-        c.sendfile(f)
-    reader.join()
-    server.close()
-    return time.perf_counter() - t0
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-    t = text.strip().upper()
-    for u, m in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * m)
-    return int(t)
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--data", default="synthetic", help="as for train: synthetic | criteo-kaggle:PATH | criteo-terabyte:DIR"
@@ -734,6 +538,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="comma-separated bytes of rows per shard",
     )
     ap.add_argument("--scaling-shards", type=int, default=2, help="shards in the scaling runs")
+    ap.add_argument(
+        "--scaling-repeats",
+        type=int,
+        default=2,
+        help="--scaling: tries of each restore and of Redis's own load; the least is kept (the others once)",
+    )
     ap.add_argument(
         "--sweep", action="store_true", help="only CPR's sweep: strategies x checkpoint intervals under --mtbf failures"
     )
