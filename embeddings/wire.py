@@ -21,7 +21,9 @@ redis-py; this module then speaks on its socket directly, with a deadline on eve
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import threading
 import time
 
 import numpy as np
@@ -78,6 +80,38 @@ def _error(msg: str) -> Exception:
     if "NOAUTH" in msg or "WRONGPASS" in msg or "NOPERM" in msg:
         return redis.AuthenticationError(msg)
     return WireError(msg)
+
+
+class _Sender:
+    """A thread that writes batches to a connection's socket while the caller builds the next ones
+    (``sendall`` lets go of the GIL). Its error is raised by ``put`` or ``close``."""
+
+    def __init__(self, conn: RowConnection, depth: int = 3) -> None:
+        self.conn, self.error = conn, None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="restore-send", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drained: the caller learns of the error at its next put
+            try:
+                self.conn._deadline = time.monotonic() + self.conn.timeout_s
+                self.conn._send(batch)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.error = e
+
+    def put(self, batch: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(batch)
+
+    def close(self, quiet: bool = False) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None and not quiet:
+            raise self.error
 
 
 def _restore_command(key: bytes, payload: bytes | bytearray) -> tuple[bytes, bytes | bytearray, bytes]:
@@ -376,34 +410,35 @@ class RowConnection:
 
         return self._run(run)
 
-    def restore_many(self, payloads, batch_bytes: int = 8 << 20) -> int:
-        """``RESTORE key 0 payload REPLACE`` for each (key, payload), pipelined in batches of about
-        ``batch_bytes``: the server loads one batch while the next is built and sent. Each batch
-        gets the connection's timeout. -> keys restored."""
+    def restore_many(self, payloads, batch_bytes: int = 4 << 20) -> int:
+        """``RESTORE key 0 payload REPLACE`` for each (key, payload), pipelined: batches of about
+        ``batch_bytes`` are built here while a sender thread writes the ones before to the socket,
+        so that the server is never left without work; the replies (5 bytes each) are read at the
+        end, the first error among them raised. Each send, and the reading, gets the connection's
+        timeout. -> keys restored."""
 
         def run():
-            done, in_flight, parts, size, count = 0, 0, [], 0, 0
-            for key, payload in payloads:
-                parts += _restore_command(key, payload)
-                size += len(payload)
-                count += 1
-                if size >= batch_bytes:
-                    done += self._restore_batch(parts, in_flight)
-                    in_flight, parts, size, count = count, [], 0, 0
-            done += self._restore_batch(parts, in_flight)
+            sent = _Sender(self)
+            count, parts, size = 0, [], 0
+            try:
+                for key, payload in payloads:
+                    parts += _restore_command(key, payload)
+                    size += len(payload)
+                    count += 1
+                    if size >= batch_bytes:
+                        sent.put(b"".join(parts))
+                        parts, size = [], 0
+                if parts:
+                    sent.put(b"".join(parts))
+            except BaseException:
+                sent.close(quiet=True)  # the error that stopped the batches is the one raised
+                raise
+            sent.close()
             self._deadline = time.monotonic() + self.timeout_s
             self._expect(b"+OK\r\n" * count)
-            return done + count
+            return count
 
         return self._run(run)
-
-    def _restore_batch(self, parts: list, in_flight: int) -> int:
-        """Send a batch, then read the replies of the one before it (-> how many)."""
-        self._deadline = time.monotonic() + self.timeout_s
-        if parts:
-            self._send(b"".join(parts))
-        self._expect(b"+OK\r\n" * in_flight)
-        return in_flight
 
     def _get(self, key: bytes) -> bytes | None:
         self._send(encode_command([b"GET", key]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,17 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
+
+
+def _yielding(fn, *args):
+    """``fn(*args)`` on a thread that yields its core to everything else (nice 19, Linux: this thread
+    alone): a snapshot's verification runs beside its load, and the load (a server, or the thread
+    that feeds one) is what the restore waits for."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+    return fn(*args)
 
 
 class Laps:
@@ -114,7 +126,7 @@ class ShardRestore:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
                 for c in self.checkpointer.candidates():
                     if c.step <= self.newest_usable:
-                        check = pool.submit(c.verify, [c.shard_file(shard).name])
+                        check = pool.submit(_yielding, c.verify, [c.shard_file(shard).name])
                         lap("checkpoint")  # chosen (verified meanwhile: ``confirm``)
                         yield c, check
         yield None, None

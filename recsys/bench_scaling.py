@@ -54,7 +54,6 @@ def available_bytes() -> int:
 
 
 def bench_scaling(args) -> list[dict]:
-    from recsys.bench import markdown
     from recsys.config import ConfigError
 
     if args.scaling_repeats < 1:
@@ -62,11 +61,21 @@ def bench_scaling(args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    rows = [scaling_row(args, size, out, rng) for size in tqdm(args.scaling_sizes, desc="scaling", unit="size")]
+    rows: list[dict] = []
+    for size in tqdm(args.scaling_sizes, desc="scaling", unit="size"):
+        rows.append(scaling_row(args, size, out, rng))
+        md = write_tables(rows, out, args.scaling_shards)  # after each size: a long run keeps what it measured
+    print(md)
+    return rows
+
+
+def write_tables(rows: list[dict], out: Path, shards: int) -> str:
+    from recsys.bench import markdown
+
     cols = list(rows[0])
     no_replica = [r["shard_snapshot_mb"] for r in rows if r["recovery_replica_s"] == "-"]
     md = (
-        f"Snapshots and restores against shard size ({args.scaling_shards} shards, 64-dim float32 rows; pauses are "
+        f"Snapshots and restores against shard size ({shards} shards, 64-dim float32 rows; pauses are "
         "what training waits for; `x_redis_load`: against Redis's own load of the same file"
         + (
             f"; no replica at {', '.join(map(str, no_replica))} MB a shard: four copies would not fit"
@@ -80,8 +89,7 @@ def bench_scaling(args) -> list[dict]:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
-    print(md)
-    return rows
+    return md
 
 
 def fill(store, per_shard: int, shards: int, rng) -> None:
@@ -108,7 +116,9 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
     with LocalShards(n, replicas=replicas) as sh:
         specs = sh.specs + ([sh.spec(i, replica=True) for i in range(n)] if replicas else [])
         ns = "scale"
-        store = RedisStore(sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=600.0, replica_urls=sh.replica_urls)
+        store = RedisStore(
+            sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=600.0, replica_urls=sh.replica_urls or None
+        )
         fill(store, per_shard, n, rng)
         for s in range(n if replicas else 0):
             store.wait_replicated(s, 600_000)
@@ -139,6 +149,8 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
 def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict:
     """Seconds of each restore path (the recovery manager's, as a run uses it): the one shard and
     every shard restores and Redis's own load the least of ``repeats`` tries, the others once."""
+    import redis
+
     from recovery.manager import RecoveryManager
     from recovery.protocol import Collective
 
@@ -174,9 +186,18 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
 
         return run
 
+    def replicas_follow(follow: bool) -> None:
+        """Each replica off its primary (the restores are timed without a second server replaying
+        every write on this machine's two cores), or back on it."""
+        for s in every if replicas else []:
+            c = redis.Redis.from_url(sh.url(s, replica=True))
+            c.replicaof(sh.host, sh.spec(s).port) if follow else c.replicaof("NO", "ONE")
+            c.close()
+
     def best(*a, **k) -> float:  # the least of ``repeats`` tries: the machine is shared and noisy
         return min(recover(*a, **k) for _ in range(repeats))
 
+    replicas_follow(False)
     t = {"local_1": best("partial", sh.specs)}
     # a server the project did not start: its supervisor restarts it empty, rows come over the protocol
     t["protocol_1"] = best("partial", [], before=restart(0))
@@ -190,6 +211,7 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
     t["full"] = recover("full", sh.specs)
     t["replica"] = "-"
     if replicas:
+        replicas_follow(True)
         sh.await_replica(0, timeout_s=600)  # the replica has resynced with its restored primary
         t["replica"] = recover("replica", sh.specs)
     return t
