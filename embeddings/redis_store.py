@@ -771,6 +771,37 @@ class RedisStore(StoreBase):
 
         return self._call(shard, run)
 
+    def lay_rows(
+        self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None, chunk_rows: int = 65_536
+    ) -> int:
+        """Rows laid on a shard that is being restored (a log replay, an overlay, a flush): as
+        ``write_shard``, but pipelined in chunks of ``chunk_rows`` rows, the server applying one chunk
+        while the next is encoded and sent, the applied marker last. Not one transaction: a restore
+        cut short is redone whole. -> rows written."""
+        self._forget(shard)
+        self._fit_listpack(shard)
+        pieces = [
+            (self.prefix(t, shard), ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])
+            for t, ids, rows in groups
+            for lo in range(0, len(ids), chunk_rows)
+        ]
+        last = [[b"SET", self.meta_key("applied", shard), b"%d" % step]] if step is not None else []
+        wire = self._wires[shard]
+
+        def run() -> int:
+            with self._locks[shard]:
+                reply = None
+                for i, piece in enumerate(pieces or [None]):
+                    end = last if i == max(len(pieces) - 1, 0) else []
+                    sent = wire.send_rows([piece] if piece is not None else [], [], end)
+                    if reply is not None:
+                        wire.finish(reply)
+                    reply = sent
+                wire.finish(reply)
+            return sum(len(p[1]) for p in pieces)
+
+        return self._call(shard, run)
+
     def rollback(self, shard: int, to_step: int) -> int:
         """Back to ``to_step``: undo the one write a shard applied after it, or the rows a writer that
         died part way through the write after ``to_step`` left (marker still at ``to_step``, undo

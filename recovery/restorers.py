@@ -238,7 +238,7 @@ class WithLog(FromCheckpoint):
     def lay_on(self, shard, ckpt, step, rec, lap, ahead, as_of):
         groups, replayed, as_of_log = ahead
         if groups:
-            self.store.write_shard(shard, groups, step=as_of_log)
+            self.store.lay_rows(shard, groups, step=as_of_log)
         lap("replay_write")
         rec["restored_bytes"] += replayed
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
@@ -257,7 +257,7 @@ class WithLog(FromCheckpoint):
 
 def log_groups(log_dir: Path, shard: int, after_step: int, need: int, upto: int | None = None) -> tuple[list, int, int]:
     """``WithLog.read_log``'s work (``upto``: no step after it, ``through_upto``): each logged row's
-    newest value, grouped per table, to be written in one ``write_shard`` (one HSET per bucket
+    newest value, grouped per table, to be written in one ``lay_rows`` (one HSET per bucket
     where the rows are dense, else one per row, pipelined). -> (groups, bytes read, last step)."""
     records, last = ShardLog(log_dir, shard).replay(after_step, need)
     if upto is not None:  # its writer appends the outage's steps meanwhile: back as of the failure

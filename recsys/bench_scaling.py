@@ -250,7 +250,7 @@ def log_replay(store, log_dir: Path, rng, steps: int = 100, rows_per_step: int =
     t0 = time.perf_counter()
     groups, _, last = log_groups(log_dir, 0, 0, steps)
     t1 = time.perf_counter()
-    store.write_shard(0, groups, step=last)
+    store.lay_rows(0, groups, step=last)
     t2 = time.perf_counter()
     written = sum(len(ids) for _, ids, _ in groups)
     return round(logged / (t2 - t0)), round(written / (t2 - t1))
