@@ -74,12 +74,50 @@ def write_json_atomic(path: Path, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=1))
 
 
+def rdb_trailer(path: Path) -> str | None:
+    """The CRC-64 an RDB file ends with (its last 8 bytes, after the end marker 0xFF), hex; None
+    where the server wrote none (``rdbchecksum no``: zeros) or the file does not end like one."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) < 18:
+                return None
+            f.seek(-9, os.SEEK_END)
+            tail = f.read(9)
+    except OSError:
+        return None
+    return tail[1:].hex() if tail[0] == 0xFF and any(tail[1:]) else None
+
+
 @dataclass
 class Checkpoint:
     step: int
     path: Path
     files: dict[str, str]  # relative path -> sha256
     meta: dict = field(default_factory=dict)
+    # shard snapshot name -> the CRC-64 its file ends with (``rdb_trailer``), as written
+    rdb_checksums: dict[str, str] = field(default_factory=dict)
+
+    def loader_checks(self, name: str) -> bool | None:
+        """Whether the shard snapshot ``name`` can be left to its loader's own check: Redis's load,
+        and ``embeddings.rdb.restore_payloads``, check every byte against the CRC-64 the file ends
+        with, and that CRC-64 is the one the manifest recorded. None where the manifest has none (an
+        older checkpoint, a server without checksums): the SHA-256 it is. ``CorruptCheckpointError``
+        where the file ends with another (it is not the file that was written)."""
+        want = self.rdb_checksums.get(name)
+        if want is None:
+            return None
+        p = self.path / name
+        got = rdb_trailer(p)
+        if got != want:
+            raise CorruptCheckpointError(
+                f"checkpoint step {self.step}: {p} "
+                + (
+                    f"ends with CRC-64 {got}, manifest says {want}"
+                    if got
+                    else f"does not end with the CRC-64 its manifest recorded ({want}): missing or cut short"
+                )
+            )
+        return True
 
     def shard_file(self, shard: int) -> Path:
         return layout.shard_snapshot(self.path, shard)
@@ -111,7 +149,13 @@ def list_checkpoints(directory: str | os.PathLike, run: str | None = None) -> li
         m = layout.manifest_file(p)
         try:
             doc = json.loads(m.read_text())
-            c = Checkpoint(step=int(doc["step"]), path=p, files=dict(doc["files"]), meta=doc.get("meta", {}))
+            c = Checkpoint(
+                step=int(doc["step"]),
+                path=p,
+                files=dict(doc["files"]),
+                meta=doc.get("meta", {}),
+                rdb_checksums=dict(doc.get("rdb_checksums", {})),
+            )
             if run is None or c.meta.get("namespace") == run:
                 out.append(c)
         except (OSError, ValueError, KeyError):
@@ -325,9 +369,12 @@ class Checkpointer:
             write_json_atomic(layout.meta_file(path), meta)
             files[layout.META] = sha256_file(layout.meta_file(path))
             fsync_dir(path)
-            write_json_atomic(layout.manifest_file(path), {"step": step, "files": files, "meta": meta})
+            trailers = {n: rdb_trailer(path / n) for n in files if n.endswith(".rdb")}
+            checksums = {n: t for n, t in trailers.items() if t is not None}
+            doc = {"step": step, "files": files, "meta": meta, "rdb_checksums": checksums}
+            write_json_atomic(layout.manifest_file(path), doc)
             stats.total_s = time.perf_counter() - t0
-            ckpt = Checkpoint(step, path, files, meta)
+            ckpt = Checkpoint(step, path, files, meta, checksums)
             for old in list_checkpoints(self.dir, self.run)[self.keep :]:
                 shutil.rmtree(old.path, ignore_errors=True)
             self.abandoned_in_row = []

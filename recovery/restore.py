@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from embeddings import RedisStore, ShardUnavailableError
@@ -60,6 +61,15 @@ class Laps:
 
 def no_lap(_: str) -> None:
     pass
+
+
+@dataclass
+class Check:
+    """How a candidate checkpoint's shard snapshot is verified as it loads (``candidates_for``)."""
+
+    ckpt: Checkpoint
+    name: str
+    sha: Future | None  # its SHA-256 on a thread; None: left to its loader's CRC-64
 
 
 class ShardRestore:
@@ -113,11 +123,13 @@ class ShardRestore:
 
     def candidates_for(
         self, shard: int, record: dict, lap: Callable[[str], None] = no_lap
-    ) -> Iterator[tuple[Checkpoint | None, Future | None]]:
+    ) -> Iterator[tuple[Checkpoint | None, Check | None]]:
         """The checkpoints a restore of ``shard`` may use, newest first (``newest_usable``), each with
-        the verification of its snapshot running on a thread meanwhile: the restore loads it while it
-        is hashed, and ``confirm`` says whether it may keep it. Last, ``(None, None)``: none verified,
-        the shard starts empty."""
+        how it is verified while it loads (``confirm`` says whether the restore may keep it):
+        - its snapshot's loader checks every byte against the CRC-64 the file ends with, which the
+          manifest recorded (``Checkpoint.loader_checks``): nothing more, unless the load fails;
+        - else its SHA-256 on a thread meanwhile.
+        Last, ``(None, None)``: none verified, the shard starts empty."""
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
             lap("checkpoint_wait")
@@ -125,18 +137,29 @@ class ShardRestore:
                 self.injector.before_restore(lambda: self.latest_shard_file(shard))
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
                 for c in self.checkpointer.candidates():
-                    if c.step <= self.newest_usable:
-                        check = pool.submit(_yielding, c.verify, [c.shard_file(shard).name])
-                        lap("checkpoint")  # chosen (verified meanwhile: ``confirm``)
-                        yield c, check
+                    if c.step > self.newest_usable:
+                        continue
+                    name = c.shard_file(shard).name
+                    try:
+                        by_loader = c.loader_checks(name)
+                    except CorruptCheckpointError as e:
+                        record.setdefault("corrupt_checkpoints", []).append(str(e))
+                        continue
+                    check = Check(c, name, None if by_loader else pool.submit(_yielding, c.verify, [name]))
+                    lap("checkpoint")  # chosen (verified as it loads: ``confirm``)
+                    yield c, check
         yield None, None
 
-    def confirm(self, check: Future | None, record: dict, lap: Callable[[str], None] = no_lap) -> bool:
-        """Whether the checkpoint ``check`` verifies (a corrupt one is noted in ``record``)."""
+    def confirm(self, check: Check | None, record: dict, lap: Callable[[str], None] = no_lap, failed=False) -> bool:
+        """Whether the checkpoint of ``check`` verifies (a corrupt one is noted in ``record``). A load
+        left to its loader's check that ``failed``: the SHA-256 says whether the file is to blame."""
         if check is None:
             return True
         try:
-            check.result()
+            if check.sha is not None:
+                check.sha.result()
+            elif failed:
+                check.ckpt.verify([check.name])
             return True
         except CorruptCheckpointError as e:
             record.setdefault("corrupt_checkpoints", []).append(str(e))

@@ -154,7 +154,7 @@ class FromCheckpoint(ShardByShard):
             try:
                 rec["restored_bytes"] = tools.restore_shard(shard, ckpt, lap)
             except Exception:
-                if tools.confirm(check, rec, lap):
+                if tools.confirm(check, rec, lap, failed=True):
                     raise
                 continue  # a load that failed on a file that does not verify: the next checkpoint
             if tools.confirm(check, rec, lap):

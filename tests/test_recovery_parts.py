@@ -369,6 +369,45 @@ def test_corrupt_checkpoint_is_detected_never_loaded_and_restore_falls_back(rig,
         ckpt.latest_verified()
 
 
+def test_over_the_protocol_a_corrupt_or_truncated_snapshot_is_passed_over_before_the_server_gets_it(rig, namespace):
+    """A shard given by URL: the newest snapshot's bytes fail the CRC-64 its file ends with (the one
+    its manifest recorded) before any payload is sent, and a truncated one fails the manifest's
+    record at once; the older checkpoint is restored, exactly."""
+    sh, store, ckpt, logs = rig
+    mgr = make_manager("partial", store, sh, ckpt, logs)
+    mgr.tools.local = {}  # every shard is one the run did not start: restored over the protocol
+    rng = np.random.default_rng(4)
+    train_steps(mgr, store, 1, 3, rng)
+    checkpoint(mgr, ckpt, 3, namespace)
+    at_3 = all_rows(store)
+    train_steps(mgr, store, 4, 6, rng)
+    checkpoint(mgr, ckpt, 6, namespace)
+    assert ckpt.candidates()[0].rdb_checksums.keys() >= {"shard0.rdb", "shard1.rdb"}
+    corrupt_file(ckpt.candidates()[0].shard_file(0))
+    with open(ckpt.candidates()[0].shard_file(1), "r+b") as f:  # cut short
+        f.truncate(f.seek(0, 2) - 100)
+    for s in (0, 1):  # a node with two shards fails; its supervisor brings them back empty
+        sh.kill(s)
+        sh.spec(s).rdb_path.unlink(missing_ok=True)
+        sh.restart(s)
+        mgr.detected(s, time.time())
+    client = redis.Redis.from_url(sh.urls[0])
+    mgr.recover([0, 1], 7, "pull")
+    recs = {f["target"]: f for f in mgr.failures}
+    assert recs[0]["restored_from_step"] == 3 and "shard0.rdb has SHA-256" in recs[0]["corrupt_checkpoints"][0]
+    assert (
+        recs[1]["restored_from_step"] == 3
+        and "shard1.rdb does not end with the CRC-64" in recs[1]["corrupt_checkpoints"][0]
+    )
+    restores = int(client.info("commandstats")["cmdstat_restore"]["calls"])
+    assert restores == client.dbsize()  # the older snapshot's keys, each once: none of the corrupt file's
+    after = all_rows(store)
+    for t in TABLES:
+        for s in (0, 1):
+            m = shard_mask(store, t, s)
+            np.testing.assert_array_equal(after[t.name][m], at_3[t.name][m])
+
+
 def test_unfinished_or_foreign_checkpoints_do_not_count(rig, namespace, tmp_path):
     sh, store, ckpt, logs = rig
     ckpt.save(1, {"x": __import__("torch").zeros(1)}, {"step": 1, "namespace": namespace})
