@@ -22,6 +22,7 @@ has exited.
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import socket
 import threading
@@ -137,7 +138,6 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
         scan_s = time.perf_counter() - t0
         t = restores(sh, store, ckpt, nbytes, replicas, args.scaling_repeats)
         t["log_replay_rows_per_s"], t["log_replay_write_rows_per_s"] = log_replay(store, ckpt_dir / "log", rng)
-        t["redis_load_s"] = min(redis_load_seconds(sh, shard_file) for _ in range(args.scaling_repeats))
         shard_bytes = shard_file.stat().st_size
         disk_s, loopback_s = read_seconds(shard_file), loopback_seconds(shard_file)
         store.close()
@@ -147,8 +147,9 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
 
 
 def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict:
-    """Seconds of each restore path (the recovery manager's, as a run uses it): the one shard and
-    every shard restores and Redis's own load the least of ``repeats`` tries, the others once."""
+    """Seconds of each restore path (the recovery manager's, as a run uses it) and of Redis's own
+    load: the one-shard and every-shard restores and the load the least of ``repeats`` rounds, the
+    others once."""
     import redis
 
     from recovery.manager import RecoveryManager
@@ -194,20 +195,27 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
             c.replicaof(sh.host, sh.spec(s).port) if follow else c.replicaof("NO", "ONE")
             c.close()
 
-    def best(*a, **k) -> float:  # the least of ``repeats`` tries: the machine is shared and noisy
-        return min(recover(*a, **k) for _ in range(repeats))
-
+    # the restores compared with each other, and Redis's own load, are taken in rounds, the least of
+    # each kept: a round's measurements share the machine's state (the page cache, another tenant)
+    os.sync()  # the checkpoints' dirty pages written back first: not while a restore is timed
     replicas_follow(False)
-    t = {"local_1": best("partial", sh.specs)}
-    # a server the project did not start: its supervisor restarts it empty, rows come over the protocol
-    t["protocol_1"] = best("partial", [], before=restart(0))
+    rounds: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, fn in (
+            ("redis_load_s", lambda: redis_load_seconds(sh, ckpt.candidates()[0].shard_file(0))),
+            ("local_1", lambda: recover("partial", sh.specs)),
+            # a server the project did not start: its supervisor restarts it empty, rows over the protocol
+            ("protocol_1", lambda: recover("partial", [], before=restart(0))),
+            ("local_all", lambda: recover("partial", sh.specs, failed=every)),
+            ("protocol_all", lambda: recover("partial", [], failed=every, before=restart(*every))),
+        ):
+            rounds.setdefault(name, []).append(fn())
+    t: dict = {name: min(v) for name, v in rounds.items()}
     t["hset_1"] = "-"
     if nbytes <= HSET_UP_TO:
         store.restore_refused[store.endpoint(0)] = "the benchmark's older path"
         t["hset_1"] = recover("partial", [], before=restart(0))
         store.restore_refused.clear()
-    t["local_all"] = best("partial", sh.specs, failed=every)
-    t["protocol_all"] = best("partial", [], failed=every, before=restart(*every))
     t["full"] = recover("full", sh.specs)
     t["replica"] = "-"
     if replicas:
