@@ -388,6 +388,13 @@ def _check_sum(r: _Reader) -> bool:
     return True
 
 
+def check_file(path: str | os.PathLike) -> bool:
+    """The whole file at ``path`` against the CRC-64 it ends with (``ShardDataError`` if they
+    differ); -> False where it has none."""
+    with _mapped(path) as r:
+        return _check_sum(r)
+
+
 def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, int, bytearray]]:
     """(key, value type, payload) of every key that starts with ``prefix`` in the RDB file at
     ``path``, the payload as ``RESTORE`` takes it (and ``DUMP`` gives it): the value's type byte and
@@ -400,6 +407,8 @@ def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[b
     (the store sets none)."""
     with _mapped(path) as r:
         version = bytes(r.buf[5:9])
+        if bytes(r.buf[:5]) != b"REDIS":
+            r.fail(f"not an RDB file (starts with {bytes(r.buf[:5])!r})")
         if not version.isdigit():
             r.fail(f"RDB version {version!r} is not a number")
         footer = struct.pack("<H", int(version))

@@ -791,13 +791,15 @@ class RedisStore(StoreBase):
         def run() -> int:
             with self._locks[shard]:
                 reply = None
-                for i, piece in enumerate(pieces or [None]):
-                    end = last if i == max(len(pieces) - 1, 0) else []
-                    sent = wire.send_rows([piece] if piece is not None else [], [], end)
+                for piece in pieces:
+                    sent = wire.send_rows([piece], [], [])
                     if reply is not None:
                         wire.finish(reply)
                     reply = sent
-                wire.finish(reply)
+                if reply is not None:
+                    wire.finish(reply)
+                if last:  # only once every row is acknowledged: the marker never runs ahead of them
+                    wire.finish(wire.send_rows([], [], last))
             return sum(len(p[1]) for p in pieces)
 
         return self._call(shard, run)

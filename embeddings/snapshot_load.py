@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from embeddings.errors import ShardDataError
-from embeddings.rdb import decode_value, group_rows, read_keys, restore_payloads
+from embeddings.rdb import check_file, decode_value, group_rows, read_keys, restore_payloads
 from embeddings.wire import WireError
 
-# errors that say the server is not serving now (not that it refuses RESTORE): raised, not fallen back from
-_UNAVAILABLE = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "MOVED", "ASK", "OOM")
+# the answers of a server that will not take RESTORE (fallen back from); any other error is raised
+_REFUSALS = ("ERR unknown command", "NOPERM", "ERR DUMP payload version", "ERR Bad data format")
 
 
 def load_snapshot(store, shard: int, path) -> int:
@@ -64,15 +64,17 @@ def _by_restore(store, shard: int, path) -> int | None:
             first = next(items, None) or (later.pop() if later else None)
             if first is None:
                 return 0
-            refused = wire.restore_one(*first)
-            if refused is not None:
-                items.close()
-                if refused.startswith(_UNAVAILABLE):
-                    raise WireError(refused)  # mapped to unavailable / data error by ``_call``
-                _refuse(store, shard, refused)
-                return None
-            wire.restore_many(items)
-            wire.restore_many(later)
+            try:
+                refused = wire.restore_one(*first)
+                if refused is not None:
+                    if not refused.startswith(_REFUSALS):
+                        raise WireError(refused)  # mapped to unavailable / data error by ``_call``
+                    _refuse(store, shard, refused)
+                    return None
+                wire.restore_many(items)
+                wire.restore_many(later)
+            finally:
+                items.close()  # the file's mapping is let go of, whatever happened
             return sent[0]
 
     return store._call(shard, run)
@@ -106,6 +108,7 @@ def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
     rows (one HSET per bucket), the bookkeeping keys in one transaction; -> bytes written."""
     ns = store.key_namespace(shard)
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    check_file(path)  # its bytes against the CRC-64 it ends with, as the RESTORE path checks them
     tables, other = group_rows(read_keys(path, f"{ns}:".encode()), ns, store.layout, widths)
     written = 0
     for t, (ids, values) in tables.items():

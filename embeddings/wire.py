@@ -87,15 +87,15 @@ class _Sender:
     (``sendall`` lets go of the GIL). Its error is raised by ``put`` or ``close``."""
 
     def __init__(self, conn: RowConnection, depth: int = 3) -> None:
-        self.conn, self.error = conn, None
+        self.conn, self.error, self.cancelled = conn, None, False
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.thread = threading.Thread(target=self._run, name="restore-send", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while (batch := self.queue.get()) is not None:
-            if self.error is not None:
-                continue  # drained: the caller learns of the error at its next put
+            if self.error is not None or self.cancelled:
+                continue  # drained: the caller learns of the error at its next put, or stopped
             try:
                 self.conn._deadline = time.monotonic() + self.conn.timeout_s
                 self.conn._send(batch)
@@ -108,6 +108,9 @@ class _Sender:
         self.queue.put(batch)
 
     def close(self, quiet: bool = False) -> None:
+        """Once the queued batches are written; ``quiet`` (the caller's own error): none more is
+        written, and the sender's error is not raised."""
+        self.cancelled = self.cancelled or quiet
         self.queue.put(None)
         self.thread.join()
         if self.error is not None and not quiet:

@@ -190,12 +190,13 @@ class Injector:
                 self._timers.append(timer)
 
     def _load(self) -> None:
-        self._fired = {}
+        fired = {}  # built aside, then swapped in: restore threads read it meanwhile
         for rec in read_lines(self.path):
             if "t0" in rec:
                 self.t0 = float(rec["t0"])
             elif "spec" in rec:
-                self._fired[rec["spec"]] = rec
+                fired[rec["spec"]] = rec
+        self._fired = fired
 
     def _record(self, inj: Injection, shards: list[int]) -> dict:
         rec = {"spec": str(inj), "kind": inj.kind, "target": inj.target, "shards": shards}
@@ -291,8 +292,9 @@ class Injector:
     def before_restore(self, latest_checkpoint_file) -> None:
         for inj in self.injections:
             if inj.kind == "corrupt-checkpoint" and inj.step is None and self.rank == 0:
-                if str(inj) not in self._fired:
-                    self._corrupt(inj, latest_checkpoint_file)
+                with self._lock:  # a node's shards are restored at once: one corruption
+                    if str(inj) not in self._fired:
+                        self._corrupt(inj, latest_checkpoint_file)
 
     def _newest_segment(self, inj: Injection) -> Path | None:
         if self.log_dir is None:

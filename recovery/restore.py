@@ -95,6 +95,7 @@ class ShardRestore:
         self.promoted: set[int] = set()  # replicas promoted in this round (a retry waits for them)
         # a restore on a background thread (--train-through): the commit point's ``Detector.seen_at``
         self.seen_at: int | None = None
+        self._prepare = threading.Lock()
 
     def checkpoint_for(
         self, shards: list[int], record: dict, lap: Callable[[str], None] = no_lap, whole=False
@@ -131,10 +132,11 @@ class ShardRestore:
         - else its SHA-256 on a thread meanwhile.
         Last, ``(None, None)``: none verified, the shard starts empty."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
-            lap("checkpoint_wait")
-            if self.injector is not None:
-                self.injector.before_restore(lambda: self.latest_shard_file(shard))
+            with self._prepare:  # a node's shards are restored at once: one waits, the others see it done
+                self.checkpointer.wait()  # a checkpoint in flight finishes (or is abandoned) before a restore
+                lap("checkpoint_wait")
+                if self.injector is not None:
+                    self.injector.before_restore(lambda: self.latest_shard_file(shard))
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify") as pool:
                 for c in self.checkpointer.candidates():
                     if c.step > self.newest_usable:
@@ -161,7 +163,7 @@ class ShardRestore:
             elif failed:
                 check.ckpt.verify([check.name])
             return True
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, OSError) as e:  # unreadable counts as corrupt
             record.setdefault("corrupt_checkpoints", []).append(str(e))
             return False
         finally:

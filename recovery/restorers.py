@@ -153,6 +153,8 @@ class FromCheckpoint(ShardByShard):
             ahead = self.read_ahead(shard, base, step, lap)
             try:
                 rec["restored_bytes"] = tools.restore_shard(shard, ckpt, lap)
+            except ShardUnavailableError:
+                raise  # a server that went away, not its file: the round retries it
             except Exception:
                 if tools.confirm(check, rec, lap, failed=True):
                     raise

@@ -66,7 +66,8 @@ class DeferredJournal:
         self.journal.mark_in_recovery(shards)
 
     def finish(self, rec: dict, phase: str) -> None:
-        rec["restore_s"] = round(time.time() - rec["_detected_at"], 4)
+        ended = rec.pop("_ended_at", None) or time.time()  # recovery_s runs on to the rejoin
+        rec["restore_s"] = round(ended - rec["_detected_at"], 4)
         self.finished.append((rec, phase))
 
 

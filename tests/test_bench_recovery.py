@@ -70,7 +70,17 @@ def test_bench_recovery_writes_its_table_and_plot(tmp_path):
 def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path):
     out = tmp_path / "scale"
     proc = procs.run(
-        ["scripts/bench_recovery.py", "--scaling-only", "--scaling-sizes", "2MB", "--out", str(out)], timeout=300
+        [
+            "scripts/bench_recovery.py",
+            "--scaling-only",
+            "--scaling-sizes",
+            "2MB",
+            "--scaling-repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = list(csv.DictReader(open(out / "scaling.csv")))

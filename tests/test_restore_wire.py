@@ -137,6 +137,11 @@ def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path,
         with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
             dst.load_snapshot(0, framed)
         assert calls(c1, "restore") == 0 and c1.dbsize() == 0  # neither reached the server
+        dst.restore_refused[dst.endpoint(0)] = "as if refused"  # the HSET path checks the file alike
+        with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
+            dst.load_snapshot(0, flipped)
+        assert calls(c1, "hset") == 0 and c1.dbsize() == 0
+        dst.restore_refused.clear()
         assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
         src.close()
         dst.close()
