@@ -188,6 +188,7 @@ _EOF, _SELECTDB, _EXPIRE_S, _EXPIRE_MS, _RESIZEDB, _AUX, _FREQ, _IDLE, _FUNCTION
     0xF8,
     0xF5,
 )
+_SLOT_INFO, _MODULE_AUX = 0xF4, 0xF7  # Redis 7.4+ cluster nodes: slot sizes before a slot's keys
 
 
 class _Reader:
@@ -276,14 +277,14 @@ class _Reader:
             for _ in range(self.length()[0]):
                 self.skip_string()
                 self.take(8)
-        elif kind in (9, 10, 11, 12, 13, 16, 17):  # one encoded blob
+        elif kind in (9, 10, 11, 12, 13, 16, 17, 20):  # one encoded blob (20: a listpack set, Redis 7.2+)
             self.skip_string()
         elif kind == 18:  # quicklist 2: n (container, blob)
             for _ in range(self.length()[0]):
                 self.length()
                 self.skip_string()
         else:
-            self.fail(f"value type {kind} (stream or module) cannot be skipped")
+            self.fail(f"value type {kind} (a stream, a module's, or one newer than Redis 7.4's) cannot be skipped")
 
 
 _HASH, _HASH_ZIPLIST, _HASH_LISTPACK = 4, 13, 16
@@ -360,7 +361,13 @@ def _walk(r: _Reader) -> Iterator[tuple[int, bytes]]:
             r.length()
         elif op == _FUNCTION2:
             r.string()
-        elif op <= 19:
+        elif op == _SLOT_INFO:
+            r.length()
+            r.length()
+            r.length()
+        elif op == _MODULE_AUX:
+            r.fail("module data (opcode 0xf7) cannot be read here")
+        elif op <= 25:
             yield op, r.string()
         else:
             r.fail(f"unknown opcode {op:#x}")
