@@ -194,6 +194,7 @@ _SLOT_INFO, _MODULE_AUX = 0xF4, 0xF7  # Redis 7.4+ cluster nodes: slot sizes bef
 class _Reader:
     def __init__(self, buf, source: str) -> None:
         self.buf, self.pos, self.source = buf, 0, source
+        self.db, self.functions = 0, 0  # the database its keys are in now; function libraries seen
 
     def fail(self, why: str):
         raise ShardDataError(f"snapshot {self.source}: {why} at byte {self.pos}")
@@ -347,7 +348,7 @@ def _walk(r: _Reader) -> Iterator[tuple[int, bytes]]:
             r.string()
             r.string()
         elif op == _SELECTDB:
-            r.length()
+            r.db = r.length()[0]
         elif op == _RESIZEDB:
             r.length()
             r.length()
@@ -361,6 +362,7 @@ def _walk(r: _Reader) -> Iterator[tuple[int, bytes]]:
             r.length()
         elif op == _FUNCTION2:
             r.string()
+            r.functions += 1
         elif op == _SLOT_INFO:
             r.length()
             r.length()
@@ -413,25 +415,79 @@ def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[b
     ``ShardDataError`` naming it, before any payload reaches a server. Expiry times are not kept
     (the store sets none)."""
     with _mapped(path) as r:
-        version = bytes(r.buf[5:9])
-        if bytes(r.buf[:5]) != b"REDIS":
-            r.fail(f"not an RDB file (starts with {bytes(r.buf[:5])!r})")
-        if not version.isdigit():
-            r.fail(f"RDB version {version!r} is not a number")
-        footer = struct.pack("<H", int(version))
+        footer = _footer(r)
+        for key, op, start, end in _spans(r, prefix, None):
+            yield key, op, _payload(op, r.buf, start, end, footer)
+
+
+class Contents:
+    """What ``scan_snapshot`` found in a file: its keys of the prefix (how many, the databases they
+    are in, their values' bytes), and anything else it holds (keys of another prefix, function
+    libraries)."""
+
+    def __init__(self) -> None:
+        self.keys, self.value_bytes, self.others, self.dbs = 0, 0, [], set()
+
+    @property
+    def alone(self) -> bool:
+        return not self.others
+
+    def note_functions(self, n: int) -> Contents:
+        if n and b"(function libraries)" not in self.others:
+            self.others.append(b"(function libraries)")
+        return self
+
+
+def scan_snapshot(path: str | os.PathLike, prefix: bytes, sample, progress=None, checksum: bool = True) -> Contents:
+    """The checks ``restore_payloads`` makes (the file's checksum, each row bucket's framing) over
+    the whole file without building payloads; ``sample(key, type, payload)`` sees each key of the
+    prefix (the payload built only when it is called for: ``payload()``); ``progress(end, found)``
+    hears every few MB how far the file has been read and checked. ``checksum=False``: the caller
+    has checked the file's CRC-64 (``check_file``)."""
+    out = Contents()
+    with _mapped(path) as r:
+        footer = _footer(r, checksum)
+        since = 0
+        for key, op, start, end in _spans(r, prefix, out.others):
+            out.keys += 1
+            out.value_bytes += end - start
+            out.dbs.add(r.db)
+            sample(key, op, lambda op=op, start=start, end=end: _payload(op, r.buf, start, end, footer))
+            if progress is not None and end - since >= 4 << 20:
+                since = end
+                progress(end, out.note_functions(r.functions))
+        return out.note_functions(r.functions)
+
+
+def _footer(r: _Reader, checksum: bool = True) -> bytes:
+    """The file's RDB version as a payload ends with it, once the file has matched its checksum."""
+    version = bytes(r.buf[5:9])
+    if bytes(r.buf[:5]) != b"REDIS":
+        r.fail(f"not an RDB file (starts with {bytes(r.buf[:5])!r})")
+    if not version.isdigit():
+        r.fail(f"RDB version {version!r} is not a number")
+    if checksum:
         _check_sum(r)
-        for op, key in _walk(r):
-            start = r.pos
-            if not key.startswith(prefix):
-                r.skip_value(op)
-                continue
-            n, special = r.length() if op == _HASH_LISTPACK else (0, True)
-            r.pos = start
+    return struct.pack("<H", int(version))
+
+
+def _spans(r: _Reader, prefix: bytes, others: list | None) -> Iterator[tuple[bytes, int, int, int]]:
+    """(key, value type, start, end) of each key of ``prefix``, its value ``r.buf[start:end]``; any
+    other key is skipped (and added to ``others``)."""
+    for op, key in _walk(r):
+        start = r.pos
+        if not key.startswith(prefix):
             r.skip_value(op)
-            if not special:  # an uncompressed listpack: its header's length and its end byte
-                _frame(r, key, r.pos - n, n)
-            yield key, op, _payload(op, r.buf, start, r.pos, footer)
-            yield from _buckets(r, prefix, footer)
+            if others is not None:
+                others.append(key)
+            continue
+        n, special = r.length() if op == _HASH_LISTPACK else (0, True)
+        r.pos = start
+        r.skip_value(op)
+        if not special:  # an uncompressed listpack: its header's length and its end byte
+            _frame(r, key, r.pos - n, n)
+        yield key, op, start, r.pos
+        yield from _buckets(r, prefix)
 
 
 def _frame(r: _Reader, key: bytes, at: int, n: int) -> None:
@@ -448,10 +504,10 @@ def _payload(op: int, buf, start: int, end: int, footer: bytes) -> bytearray:
     return out
 
 
-def _buckets(r: _Reader, prefix: bytes, footer: bytes) -> Iterator[tuple[bytes, int, bytearray]]:
-    """``restore_payloads``' common case, read inline: the keys that follow while they are
-    uncompressed listpack hashes of ``prefix`` with short keys and values under 16 KiB (a row
-    bucket); anything else is left to the generic reader."""
+def _buckets(r: _Reader, prefix: bytes) -> Iterator[tuple[bytes, int, int, int]]:
+    """``_spans``' common case, read inline: the keys that follow while they are uncompressed
+    listpack hashes of ``prefix`` with short keys and values under 16 KiB (a row bucket); anything
+    else is left to the generic reader."""
     buf, size = r.buf, len(r.buf)
     while True:
         p = r.pos
@@ -467,7 +523,7 @@ def _buckets(r: _Reader, prefix: bytes, footer: bytes) -> Iterator[tuple[bytes, 
             return
         _frame(r, key, at + 2, n)
         r.pos = end
-        yield key, _HASH_LISTPACK, _payload(_HASH_LISTPACK, buf, at, end, footer)
+        yield key, _HASH_LISTPACK, at, end
 
 
 def decode_value(kind: int, payload: bytes | bytearray, source: str) -> Value:

@@ -105,6 +105,7 @@ class RedisStore(StoreBase):
         self.layout = BucketLayout(spread=len(urls) if placement == "row" else 1)
         self._listpack_ok = [False] * len(urls)  # the server's listpack limits checked on this connection
         self.restore_refused: dict[str, str] = {}  # endpoint -> why it refused RESTORE (load_snapshot)
+        self.sync_refused: dict[str, str] = {}  # endpoint -> why it did not load a snapshot as a sync
         self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
         kwargs = dict(
             socket_timeout=timeout_s,

@@ -15,10 +15,13 @@ older path, one ``HSET`` per bucket (``load_by_hset``), with the same result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from embeddings.errors import ShardDataError
 from embeddings.rdb import check_file, decode_value, group_rows, read_keys, restore_payloads
+from embeddings.sync_load import load_by_sync
 from embeddings.wire import WireError
 
 # the answers of a server that will not take RESTORE (fallen back from); any other error is raised
@@ -31,6 +34,16 @@ def load_snapshot(store, shard: int, path) -> int:
     store._forget(shard)
     store._fit_listpack(shard)
     endpoint = store.endpoints[shard]
+    ns = store.key_namespace(shard)
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    seen: set[int] = set()
+
+    def sample(key, kind, payload) -> None:
+        _check(key, kind, payload, f"{ns}:".encode(), ns, store.layout, widths, seen, str(path))
+
+    sent = load_by_sync(store, shard, path, f"{ns}:".encode(), sample)
+    if sent is not None:
+        return sent
     if endpoint not in store.restore_refused:
         sent = _by_restore(store, shard, path)
         if sent is not None:
@@ -49,7 +62,7 @@ def _by_restore(store, shard: int, path) -> int | None:
 
     def rows_first():
         for key, kind, payload in restore_payloads(path, head):
-            _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
+            _check(key, kind, lambda p=payload: p, head, ns, store.layout, widths, seen, str(path))
             sent[0] += len(payload) - 11
             if kind == 0:  # bookkeeping: after the rows
                 later.append((key, payload))
@@ -88,7 +101,7 @@ def _refuse(store, shard: int, why: str) -> None:
     )
 
 
-def _check(key, kind, payload, head, ns, layout, widths, seen: set[int], source: str) -> None:
+def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> None:
     """Every key's table is one of the run's; the first row bucket of each table decodes, and its
     rows are of the table's width in fields of the layout (``group_rows``' checks)."""
     t, sep, bucket = key[len(head) :].partition(b":")
@@ -100,7 +113,7 @@ def _check(key, kind, payload, head, ns, layout, widths, seen: set[int], source:
     if table in seen and kind != 0:
         return
     seen.add(table)
-    group_rows(iter([(key, decode_value(kind, payload, source))]), ns, layout, widths)
+    group_rows(iter([(key, decode_value(kind, payload(), source))]), ns, layout, widths)
 
 
 def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:

@@ -6,8 +6,9 @@ Per size (bytes of rows per shard, 64-dim float32 rows, ``--scaling-shards`` sha
 - the snapshot: a local ``BGSAVE`` and file copy, a fork streamed over the replication protocol,
   and a scan copy (its whole time is a pause);
 - one shard restored from its local file (a replacement ``redis-server`` loads it), over the
-  protocol after its supervisor restarted it empty (one ``RESTORE`` per bucket), the same over the
-  older path (one ``HSET`` per bucket; up to 1 GB), by replica promotion, and a full restore;
+  protocol after its supervisor restarted it empty (one full synchronization: the server a replica
+  of the restorer for one ``PSYNC``), the same by one ``RESTORE`` per bucket and over the older path
+  (one ``HSET`` per bucket; up to 1 GB), by replica promotion, and a full restore;
 - the same node failure with every shard at once, from local files and over the protocol (the
   shards are restored in parallel);
 - the sources: Redis's own load of the same file (a fresh ``redis-server`` on it, until it
@@ -211,11 +212,15 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
         ):
             rounds.setdefault(name, []).append(fn())
     t: dict = {name: min(v) for name, v in rounds.items()}
+    store.sync_refused[store.endpoint(0)] = "the benchmark's RESTORE path"
+    t["restore_1"] = recover("partial", [], before=restart(0))
+    store.sync_refused.clear()
     t["hset_1"] = "-"
     if nbytes <= HSET_UP_TO:
-        store.restore_refused[store.endpoint(0)] = "the benchmark's older path"
+        store.sync_refused[store.endpoint(0)] = store.restore_refused[store.endpoint(0)] = "the benchmark's older path"
         t["hset_1"] = recover("partial", [], before=restart(0))
         store.restore_refused.clear()
+        store.sync_refused.clear()
     t["full"] = recover("full", sh.specs)
     t["replica"] = "-"
     if replicas:
@@ -284,6 +289,7 @@ def scaling_columns(per_shard, shard_bytes, local, net, scan_s, t, disk_s, loopb
         "local_x_redis_load": round(t["local_1"] / load, 2),
         "recovery_remote_s": r(t["protocol_1"]),
         "remote_x_redis_load": round(t["protocol_1"] / load, 2),
+        "recovery_remote_restore_s": r(t["restore_1"]),
         "recovery_remote_hset_s": r(t["hset_1"]),
         f"recovery_local_{n}_shards_s": r(t["local_all"]),
         f"local_{n}_x_1": round(t["local_all"] / t["local_1"], 2),

@@ -1,6 +1,8 @@
-"""A shard's snapshot loaded over the protocol as serialized values (``RESTORE``), onto real
-redis-servers: exact for every row width and optimizer state, a server that refuses ``RESTORE``
-falls back with one line, and a damaged file never reaches the server."""
+"""A shard's snapshot loaded over the protocol onto real redis-servers, as one full synchronization
+(the empty server a replica of the loader for one ``PSYNC``) or as serialized values (``RESTORE``):
+exact for every row width and optimizer state either way; the sync only where it touches nothing
+but the shard; a server that refuses the sync or ``RESTORE`` (or gives up a load) falls back with
+one line each, and a damaged file never reaches the server."""
 
 import shutil
 import struct
@@ -35,10 +37,11 @@ def calls(client: redis.Redis, name: str) -> int:
     return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
 
 
+@pytest.mark.parametrize("path", ["sync", "restore"])
 @pytest.mark.parametrize(
     "opt", [SGD(0.1), Adagrad(0.1), RowWiseAdagrad(0.1), Adam(0.01)], ids=lambda o: type(o).__name__
 )
-def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_state(tmp_path, namespace, opt):
+def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_state(tmp_path, namespace, opt, path):
     rng = np.random.default_rng(7)
     with LocalShards(2) as sh:
         track(sh)
@@ -48,14 +51,21 @@ def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_
         want = fill(src, rng)
         assert {c0.object("encoding", src.key(t, 0)) for t in range(4) if c0.exists(src.key(t, 0))} >= {b"listpack"}
         bgsave(c0)
-        path = tmp_path / "shard0.rdb"
-        shutil.copy(sh.spec(0).rdb_path, path)
+        rdb = tmp_path / "shard0.rdb"
+        shutil.copy(sh.spec(0).rdb_path, rdb)
         dst = RedisStore(sh.urls[1:], TABLES, opt, namespace=namespace)
+        lines: list[str] = []
+        dst.warn = lines.append
+        if path == "restore":
+            dst.sync_refused[dst.endpoint(0)] = "the test's choice"
         c1 = redis.Redis.from_url(sh.urls[1])
         keys = c0.dbsize()
-        sent = dst.load_snapshot(0, path)
-        assert 0 < sent < path.stat().st_size  # the values' bytes, as the file holds them
-        assert calls(c1, "restore") == keys and calls(c1, "hset") == 0 and c1.dbsize() == keys
+        sent = dst.load_snapshot(0, rdb)
+        assert 0 < sent < rdb.stat().st_size and not lines  # the values' bytes, as the file holds them
+        assert calls(c1, "restore") == (keys if path == "restore" else 0) and calls(c1, "hset") == 0
+        assert calls(c1, "replicaof") == (2 if path == "sync" else 0) and c1.dbsize() == keys
+        info = c1.info("replication")
+        assert info["role"] == "master" and c1.config_get("repl-diskless-load")["repl-diskless-load"] == "disabled"
         got = every_row(dst)
         for name in want:
             np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
@@ -76,22 +86,27 @@ def test_a_server_that_refuses_restore_falls_back_with_one_line_and_the_rows_sta
         path = tmp_path / "shard0.rdb"
         shutil.copy(sh.spec(0).rdb_path, path)
         c1 = redis.Redis.from_url(sh.urls[1])
-        c1.acl_setuser("loader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-restore"])
+        c1.acl_setuser(
+            "loader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-restore", "-replicaof"]
+        )
         url = sh.urls[1].replace("redis://", "redis://loader:pw@")
         dst = RedisStore([url], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
         lines: list[str] = []
         dst.warn = lines.append
         dst.load_snapshot(0, path)
-        assert len(lines) == 1 and "refused RESTORE" in lines[0] and "shard 0 at" in lines[0], lines
-        assert "NOPERM" in lines[0] and "HSET" in lines[0] and "pw" not in lines[0], lines
+        # a line for each path it could not take: the sync (no REPLICAOF), then RESTORE
+        assert len(lines) == 2 and all("shard 0 at" in x and "pw" not in x for x in lines), lines
+        assert "did not load its snapshot as a sync (REPLICAOF: this user has no permissions" in lines[0], lines
+        assert "refused RESTORE" in lines[1] and "NOPERM" in lines[1] and "HSET" in lines[1], lines
+        assert c1.config_get("repl-diskless-load")["repl-diskless-load"] == "disabled"  # put back
         assert calls(c1, "hset") > 0
         got = every_row(dst)
         for name in want:
             np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
         assert dst.applied_step(0) == 31
         dst.clear_shard(0)
-        dst.load_snapshot(0, path)  # the refusal is remembered: no second probe, no second line
-        assert len(lines) == 1 and every_row(dst)["c"].tobytes() == want["c"].tobytes()
+        dst.load_snapshot(0, path)  # the refusals are remembered: no second probe, no second line
+        assert len(lines) == 2 and every_row(dst)["c"].tobytes() == want["c"].tobytes()
         src.close()
         dst.close()
 
@@ -137,11 +152,67 @@ def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path,
         with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
             dst.load_snapshot(0, framed)
         assert calls(c1, "restore") == 0 and c1.dbsize() == 0  # neither reached the server
+        assert (
+            calls(c1, "replicaof") == 2 and c1.info("replication")["role"] == "master"
+        )  # the framing: a sync cut short
         dst.restore_refused[dst.endpoint(0)] = "as if refused"  # the HSET path checks the file alike
         with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
             dst.load_snapshot(0, flipped)
         assert calls(c1, "hset") == 0 and c1.dbsize() == 0
         dst.restore_refused.clear()
+        dst.sync_refused[dst.endpoint(0)] = "the test's choice"
         assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
+        src.close()
+        dst.close()
+
+
+def test_the_sync_touches_nothing_but_the_shard_and_a_load_the_server_gives_up_falls_back(tmp_path, namespace):
+    rng = np.random.default_rng(9)
+    with LocalShards(2) as sh:
+        track(sh)
+        src = RedisStore(sh.urls[:1], TABLES, SGD(0.1), namespace=namespace)
+        want = fill(src, rng)
+        c0, c1 = redis.Redis.from_url(sh.urls[0]), redis.Redis.from_url(sh.urls[1])
+        bgsave(c0)
+        alone = tmp_path / "alone.rdb"
+        shutil.copy(sh.spec(0).rdb_path, alone)
+        dst = RedisStore(sh.urls[1:], TABLES, SGD(0.1), namespace=namespace)
+        lines: list[str] = []
+        dst.warn = lines.append
+
+        # a server that holds another key: the sync would replace it, so the keys go by RESTORE
+        c1.set("someone-else", b"kept")
+        dst.load_snapshot(0, alone)
+        assert calls(c1, "replicaof") == 0 and calls(c1, "restore") > 0 and c1.get("someone-else") == b"kept"
+        assert every_row(dst)["b"].tobytes() == want["b"].tobytes() and not lines
+
+        # a file that holds another namespace's key: the sync is cut short where the scan meets it
+        # (the server loads nothing of it), and only this namespace's keys land, by RESTORE
+        c1.flushall()
+        c0.set("other-run:x", b"not ours")
+        bgsave(c0)
+        mixed = tmp_path / "mixed.rdb"
+        shutil.copy(sh.spec(0).rdb_path, mixed)
+        before = calls(c1, "restore")
+        dst.load_snapshot(0, mixed)
+        assert calls(c1, "replicaof") == 2 and calls(c1, "restore") > before and not c1.exists("other-run:x")
+        assert c1.info("replication")["role"] == "master" and every_row(dst)["c"].tobytes() == want["c"].tobytes()
+
+        # an RDB version the server cannot read: it gives up the sync's load (one line), then refuses
+        # RESTORE (a second line), and the rows go one HSET per bucket, still exact
+        c1.flushall()
+        data = bytearray(alone.read_bytes())
+        data[5:9] = b"0099"
+        struct.pack_into("<Q", data, len(data) - 8, CRC64.calc(bytes(data[:-8])))
+        newer = tmp_path / "newer.rdb"
+        newer.write_bytes(data)
+        dst.load_snapshot(0, newer)
+        assert len(lines) == 2, lines
+        assert "did not load its snapshot as a sync (it gave up loading" in lines[0], lines
+        assert "refused RESTORE (ERR DUMP payload version" in lines[1], lines
+        assert calls(c1, "replicaof") == 4 and c1.info("replication")["role"] == "master"
+        got = every_row(dst)
+        for name in want:
+            np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
         src.close()
         dst.close()
