@@ -1,21 +1,26 @@
 """A shard's snapshot loaded back over the protocol, onto a server the project may not have started.
 
-Each key goes as one serialized value, ``RESTORE key 0 payload REPLACE``: a row bucket is one
-listpack, sent as the checkpoint's RDB file holds it, which is how Redis loads its own file. The
-payloads are cut from the file (``embeddings.rdb.restore_payloads``: the file's own checksum first,
-each listpack's framing, a CRC-64 per payload) and pipelined in batches of a few MB, one batch in
-flight while the next is built. The first row bucket of each table is decoded and checked against
-the run's layout (its table, row width and fields) before anything is sent; every key's table must
-be one of the run's. The bookkeeping strings (applied marker, undo record) go last.
+Three ways, each with the same result:
+- one full synchronization (``embeddings.sync_load``): the empty server loads the file as Redis
+  loads its own; taken first when a node's shards are restored together (``restoring_together``);
+- one ``RESTORE key 0 payload REPLACE`` per key, taken first for a shard restored alone: a row
+  bucket is one listpack, sent as the checkpoint's RDB file holds it. The payloads are cut from the
+  file (``embeddings.rdb.restore_payloads``: the file's own checksum first, each listpack's framing,
+  a CRC-64 per payload) and pipelined in batches of a few MB, one batch in flight while the next is
+  built. The first row bucket of each table is decoded and checked against the run's layout (its
+  table, row width and fields) before anything is sent; every key's table must be one of the
+  run's. The bookkeeping strings (applied marker, undo record) go last;
+- one ``HSET`` per bucket (``load_by_hset``), where the server refuses the other two.
 
-A server that refuses ``RESTORE`` (an ACL without it, a renamed command, an RDB version newer than
-the server's) answers the first payload with an error: one line says so, and the rows go over the
-older path, one ``HSET`` per bucket (``load_by_hset``), with the same result.
+A server that refuses a way (an ACL without ``RESTORE`` or ``REPLICAOF``, a renamed command, an RDB
+version newer than the server's) is said in one line naming the next way, and remembered for the
+endpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -30,10 +35,13 @@ _REFUSALS = ("ERR unknown command", "NOPERM", "ERR DUMP payload version", "ERR B
 
 def load_snapshot(store, shard: int, path) -> int:
     """This namespace's keys of the RDB file at ``path`` onto one shard (existing buckets of the same
-    keys are replaced); -> the bytes of the values sent."""
+    keys are replaced); -> the bytes of the values sent.
+
+    A shard restored alone goes by ``RESTORE`` first (the server's cost is the least that way); the
+    shards of one node restored together (``restoring_together``) by the sync first (this process
+    then does little more than check the files, so N shards take little longer than one)."""
     store._forget(shard)
     store._fit_listpack(shard)
-    endpoint = store.endpoints[shard]
     ns = store.key_namespace(shard)
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
     seen: set[int] = set()
@@ -41,17 +49,37 @@ def load_snapshot(store, shard: int, path) -> int:
     def sample(key, kind, payload) -> None:
         _check(key, kind, payload, f"{ns}:".encode(), ns, store.layout, widths, seen, str(path))
 
-    sent = load_by_sync(store, shard, path, f"{ns}:".encode(), sample)
-    if sent is not None:
-        return sent
-    if endpoint not in store.restore_refused:
-        sent = _by_restore(store, shard, path)
+    endpoint = store.endpoints[shard]
+
+    def sync(then: str) -> int | None:
+        return load_by_sync(store, shard, path, f"{ns}:".encode(), sample, then)
+
+    def restore(then: str) -> int | None:
+        return _by_restore(store, shard, path, then)
+
+    ways = [("the sync", sync, store.sync_refused), ("RESTORE", restore, store.restore_refused)]
+    if getattr(store, "restores_together", 1) == 1:
+        ways.reverse()
+    ways = [w for w in ways if endpoint not in w[2]]  # a refusal is remembered: no second probe
+    for i, (_, way, _) in enumerate(ways):
+        sent = way(ways[i + 1][0] if i + 1 < len(ways) else "one HSET per bucket")
         if sent is not None:
             return sent
     return load_by_hset(store, shard, path)
 
 
-def _by_restore(store, shard: int, path) -> int | None:
+@contextlib.contextmanager
+def restoring_together(store, n: int) -> Iterator[None]:
+    """While a node's ``n`` shards are restored at once (each on its own thread)."""
+    before = getattr(store, "restores_together", 1)
+    store.restores_together = n
+    try:
+        yield
+    finally:
+        store.restores_together = before
+
+
+def _by_restore(store, shard: int, path, then: str) -> int | None:
     """-> bytes sent, or None where the server refused the first ``RESTORE`` (noted, one line)."""
     ns = store.key_namespace(shard)
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
@@ -82,7 +110,7 @@ def _by_restore(store, shard: int, path) -> int | None:
                 if refused is not None:
                     if not refused.startswith(_REFUSALS):
                         raise WireError(refused)  # mapped to unavailable / data error by ``_call``
-                    _refuse(store, shard, refused)
+                    _refuse(store, shard, refused, then)
                     return None
                 wire.restore_many(items)
                 wire.restore_many(later)
@@ -93,12 +121,10 @@ def _by_restore(store, shard: int, path) -> int | None:
     return store._call(shard, run)
 
 
-def _refuse(store, shard: int, why: str) -> None:
+def _refuse(store, shard: int, why: str, then: str) -> None:
     endpoint = store.endpoints[shard]
     store.restore_refused[endpoint] = why
-    store.warn(
-        f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its rows are loaded one HSET per bucket instead"
-    )
+    store.warn(f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its keys go by {then} instead")
 
 
 def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> None:

@@ -13,12 +13,14 @@ each row bucket's framing, the first bucket of each table against the run's layo
 table one of the run's): a damaged file never reaches the server. After the load the server must
 hold exactly the file's keys.
 
-The sync is taken only where it cannot touch anything but the shard: the server holds no key at
-all, has no replica of its own and is not a cluster node; the file holds only this namespace's
-keys, in the connection's database, and no function library; the connection is not TLS (the
-server would connect back in plain TCP). Elsewhere the keys go by ``RESTORE``, as before. A server
-that refuses the sync (an ACL without ``REPLICAOF`` or ``CONFIG``, a server that cannot connect
-back, a load it gave up) is said in one line and the keys go by ``RESTORE``; the refusal is
+The shards of one node restored together go this way first (``snapshot_load.load_snapshot``):
+this process does little but check the files, so N shards take little longer than one; a shard
+restored alone goes by ``RESTORE`` first, which costs its server less. The sync is taken only where
+it cannot touch anything but the shard: the server holds no key at all, has no replica of its own
+and is not a cluster node; the file holds only this namespace's keys, in the connection's database,
+and no function library; the connection is not TLS (the server would connect back in plain TCP).
+A server that refuses the sync (an ACL without ``REPLICAOF`` or ``CONFIG``, a server that cannot
+connect back, a load it gave up) is said in one line and the keys go the next way; the refusal is
 remembered for the endpoint.
 
 The listening socket is bound to the address this process reaches the server from (loopback for a
@@ -63,10 +65,11 @@ def unsuitable(store, shard: int) -> str | None:
     return None
 
 
-def load_by_sync(store, shard: int, path, prefix: bytes, sample) -> int | None:
+def load_by_sync(store, shard: int, path, prefix: bytes, sample, then: str = "RESTORE") -> int | None:
     """The RDB file at ``path`` onto the shard's empty server by one full synchronization; ->
     the bytes of the values loaded, or None where the sync does not apply (the keys then go by
-    ``RESTORE``). ``sample(key, type, payload)`` checks each key as the ``RESTORE`` path does.
+    ``then``, said in the line of a refusal). ``sample(key, type, payload)`` checks each key as the
+    ``RESTORE`` path does.
     ``ShardDataError`` for a damaged file: the server never gets its damaged part, nor the file's
     end, so it loads nothing."""
     endpoint = store.endpoints[shard]
@@ -80,11 +83,11 @@ def load_by_sync(store, shard: int, path, prefix: bytes, sample) -> int | None:
     except SyncRefused as e:
         store.sync_refused[endpoint] = str(e)
         store.warn(
-            f"warning: shard {shard} at {endpoint} did not load its snapshot as a sync ({e}): its keys go by RESTORE"
+            f"warning: shard {shard} at {endpoint} did not load its snapshot as a sync ({e}): its keys go by {then} instead"
         )
         return None
     if contents is None:
-        return None  # other keys in the file: RESTORE takes only the namespace's
+        return None  # other keys in the file: RESTORE and HSET take only the namespace's
     held = store.call(shard, lambda c: c.dbsize())
     if held != contents.keys:
         raise ShardDataError(

@@ -6,9 +6,10 @@ Per size (bytes of rows per shard, 64-dim float32 rows, ``--scaling-shards`` sha
 - the snapshot: a local ``BGSAVE`` and file copy, a fork streamed over the replication protocol,
   and a scan copy (its whole time is a pause);
 - one shard restored from its local file (a replacement ``redis-server`` loads it), over the
-  protocol after its supervisor restarted it empty (one full synchronization: the server a replica
-  of the restorer for one ``PSYNC``), the same by one ``RESTORE`` per bucket and over the older path
-  (one ``HSET`` per bucket; up to 1 GB), by replica promotion, and a full restore;
+  protocol after its supervisor restarted it empty (one ``RESTORE`` per bucket, as a shard restored
+  alone goes), the same by one full synchronization (the server a replica of the restorer for one
+  ``PSYNC``, as a node's shards go) and over the older path (one ``HSET`` per bucket; up to 1 GB),
+  by replica promotion, and a full restore;
 - the same node failure with every shard at once, from local files and over the protocol (the
   shards are restored in parallel);
 - the sources: Redis's own load of the same file (a fresh ``redis-server`` on it, until it
@@ -153,6 +154,7 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
     others once."""
     import redis
 
+    from embeddings.snapshot_load import restoring_together
     from recovery.manager import RecoveryManager
     from recovery.protocol import Collective
 
@@ -188,6 +190,10 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
 
         return run
 
+    def sync_alone(fn) -> float:
+        with restoring_together(store, 2):  # one shard by the sync, as a node's shards go
+            return fn()
+
     def replicas_follow(follow: bool) -> None:
         """Each replica off its primary (the restores are timed without a second server replaying
         every write on this machine's two cores), or back on it."""
@@ -209,12 +215,10 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
             ("protocol_1", lambda: recover("partial", [], before=restart(0))),
             ("local_all", lambda: recover("partial", sh.specs, failed=every)),
             ("protocol_all", lambda: recover("partial", [], failed=every, before=restart(*every))),
+            ("sync_1", lambda: sync_alone(lambda: recover("partial", [], before=restart(0)))),
         ):
             rounds.setdefault(name, []).append(fn())
     t: dict = {name: min(v) for name, v in rounds.items()}
-    store.sync_refused[store.endpoint(0)] = "the benchmark's RESTORE path"
-    t["restore_1"] = recover("partial", [], before=restart(0))
-    store.sync_refused.clear()
     t["hset_1"] = "-"
     if nbytes <= HSET_UP_TO:
         store.sync_refused[store.endpoint(0)] = store.restore_refused[store.endpoint(0)] = "the benchmark's older path"
@@ -289,12 +293,14 @@ def scaling_columns(per_shard, shard_bytes, local, net, scan_s, t, disk_s, loopb
         "local_x_redis_load": round(t["local_1"] / load, 2),
         "recovery_remote_s": r(t["protocol_1"]),
         "remote_x_redis_load": round(t["protocol_1"] / load, 2),
-        "recovery_remote_restore_s": r(t["restore_1"]),
+        "recovery_remote_sync_s": r(t["sync_1"]),
+        "sync_x_redis_load": round(t["sync_1"] / load, 2),
         "recovery_remote_hset_s": r(t["hset_1"]),
         f"recovery_local_{n}_shards_s": r(t["local_all"]),
         f"local_{n}_x_1": round(t["local_all"] / t["local_1"], 2),
         f"recovery_remote_{n}_shards_s": r(t["protocol_all"]),
         f"remote_{n}_x_1": round(t["protocol_all"] / t["protocol_1"], 2),
+        f"remote_{n}_x_sync_1": round(t["protocol_all"] / t["sync_1"], 2),
         "recovery_replica_s": r(t["replica"], 4),
         "full_restore_s": r(t["full"]),
         "log_replay_rows_per_s": t["log_replay_rows_per_s"],

@@ -14,6 +14,7 @@ import redis
 from embeddings import SGD, Adagrad, Adam, LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from embeddings.errors import ShardDataError
 from embeddings.rdb import CRC64, restore_payloads
+from embeddings.snapshot_load import restoring_together
 from tests.conftest import track
 from tests.test_layout import bgsave, every_row
 
@@ -56,11 +57,11 @@ def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_
         dst = RedisStore(sh.urls[1:], TABLES, opt, namespace=namespace)
         lines: list[str] = []
         dst.warn = lines.append
-        if path == "restore":
-            dst.sync_refused[dst.endpoint(0)] = "the test's choice"
         c1 = redis.Redis.from_url(sh.urls[1])
         keys = c0.dbsize()
-        sent = dst.load_snapshot(0, rdb)
+        # a shard restored alone goes by RESTORE, a node's shards restored together by the sync
+        with restoring_together(dst, 2 if path == "sync" else 1):
+            sent = dst.load_snapshot(0, rdb)
         assert 0 < sent < rdb.stat().st_size and not lines  # the values' bytes, as the file holds them
         assert calls(c1, "restore") == (keys if path == "restore" else 0) and calls(c1, "hset") == 0
         assert calls(c1, "replicaof") == (2 if path == "sync" else 0) and c1.dbsize() == keys
@@ -94,10 +95,11 @@ def test_a_server_that_refuses_restore_falls_back_with_one_line_and_the_rows_sta
         lines: list[str] = []
         dst.warn = lines.append
         dst.load_snapshot(0, path)
-        # a line for each path it could not take: the sync (no REPLICAOF), then RESTORE
+        # a line for each way it could not take, naming the next: RESTORE, then the sync (no REPLICAOF)
         assert len(lines) == 2 and all("shard 0 at" in x and "pw" not in x for x in lines), lines
-        assert "did not load its snapshot as a sync (REPLICAOF: this user has no permissions" in lines[0], lines
-        assert "refused RESTORE" in lines[1] and "NOPERM" in lines[1] and "HSET" in lines[1], lines
+        assert "refused RESTORE (NOPERM" in lines[0] and "go by the sync instead" in lines[0], lines
+        assert "did not load its snapshot as a sync (REPLICAOF: this user has no permissions" in lines[1], lines
+        assert "go by one HSET per bucket instead" in lines[1], lines
         assert c1.config_get("repl-diskless-load")["repl-diskless-load"] == "disabled"  # put back
         assert calls(c1, "hset") > 0
         got = every_row(dst)
@@ -140,27 +142,26 @@ def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path,
         data = bytearray(good.read_bytes())
         data[at + n // 2] ^= 0x10
         flipped.write_bytes(data)
-        with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
-            dst.load_snapshot(0, flipped)
-
         # a listpack whose length was damaged before the checksum was taken: its framing is caught
         framed = tmp_path / "framed.rdb"
         data = bytearray(good.read_bytes())
         struct.pack_into("<I", data, at, n + 1)
         struct.pack_into("<Q", data, len(data) - 8, CRC64.calc(bytes(data[:-8])))
         framed.write_bytes(data)
-        with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
-            dst.load_snapshot(0, framed)
+        for together in (1, 2):  # by RESTORE first, then by the sync first
+            with restoring_together(dst, together):
+                with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
+                    dst.load_snapshot(0, flipped)
+                with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
+                    dst.load_snapshot(0, framed)
         assert calls(c1, "restore") == 0 and c1.dbsize() == 0  # neither reached the server
-        assert (
-            calls(c1, "replicaof") == 2 and c1.info("replication")["role"] == "master"
-        )  # the framing: a sync cut short
+        # the flipped file started no sync; the framed one's was cut short before its bad listpack
+        assert calls(c1, "replicaof") == 2 and c1.info("replication")["role"] == "master"
         dst.restore_refused[dst.endpoint(0)] = "as if refused"  # the HSET path checks the file alike
         with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
             dst.load_snapshot(0, flipped)
         assert calls(c1, "hset") == 0 and c1.dbsize() == 0
         dst.restore_refused.clear()
-        dst.sync_refused[dst.endpoint(0)] = "the test's choice"
         assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
         src.close()
         dst.close()
@@ -177,6 +178,7 @@ def test_the_sync_touches_nothing_but_the_shard_and_a_load_the_server_gives_up_f
         alone = tmp_path / "alone.rdb"
         shutil.copy(sh.spec(0).rdb_path, alone)
         dst = RedisStore(sh.urls[1:], TABLES, SGD(0.1), namespace=namespace)
+        dst.restores_together = 2  # as a node's shards are restored: by the sync first
         lines: list[str] = []
         dst.warn = lines.append
 
