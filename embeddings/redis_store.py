@@ -106,6 +106,9 @@ class RedisStore(StoreBase):
         self._listpack_ok = [False] * len(urls)  # the server's listpack limits checked on this connection
         self.restore_refused: dict[str, str] = {}  # endpoint -> why it refused RESTORE (load_snapshot)
         self.sync_refused: dict[str, str] = {}  # endpoint -> why it did not load a snapshot as a sync
+        # a benchmark's ceiling (``RECSYS_ROWS_NOWHERE=1``, bench_throughput's limit row): the row
+        # writes are built and never sent, so the rows live in this process's held rows alone
+        self.rows_nowhere = False
         self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
         kwargs = dict(
             socket_timeout=timeout_s,
@@ -534,14 +537,18 @@ class RedisStore(StoreBase):
                             blob = encode_groups(since, [(t, ids, u[lo:hi]) for t, (ids, lo, hi) in groups.items()])
                             first.append([b"SET", self.meta_key("undo", s), blob])
                         last.append([b"SET", self.meta_key("applied", s), b"%d" % step])
-                    reply = self._call(s, lambda s=s, a=args, f=first, la=last: self._wires[s].send_rows(a, f, la))
+                    if self.rows_nowhere:  # the benchmark's ceiling: the commands built, never sent
+                        reply = self._wires[s]._row_commands(args)
+                    else:
+                        reply = self._call(s, lambda s=s, a=args, f=first, la=last: self._wires[s].send_rows(a, f, la))
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
                     continue
                 sent.append((s, k, r, reply))
             for s, k, r, reply in sent:
                 try:
-                    self._call(s, lambda s=s, reply=reply: self._wires[s].finish(reply))
+                    if not self.rows_nowhere:
+                        self._call(s, lambda s=s, reply=reply: self._wires[s].finish(reply))
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
                     continue

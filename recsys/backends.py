@@ -7,6 +7,8 @@ per shard). ``LocalBackend``: torchrec's in-process fused engine (the baseline).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -155,12 +157,27 @@ class StoreBackend(Backend):
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
             self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
         held = self.store.held
+        if os.environ.get("RECSYS_ROWS_NOWHERE") == "1":
+            self._rows_nowhere(cfg, world_size, held)
         # one trainer holding every table reads every row from memory: a prefetch would only copy them twice
         held_all = world_size == 1 and held is not None and held.holds_everything()
         self.prefetcher = Prefetcher(self.store) if cfg.embeddings.prefetch and not held_all else None
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)
         self.names = self.store.tables.names
+
+    def _rows_nowhere(self, cfg: RunConfig, world_size: int, held) -> None:
+        """``RECSYS_ROWS_NOWHERE=1``: the benchmark's ceiling (``scripts/bench_throughput.py``'s
+        limit row): the same loop with no row written to Redis. Only where nothing reads a row back
+        from Redis: one trainer holding every row, no checkpoints, logs or injected failures."""
+        from recsys.config import ConfigError
+
+        if world_size != 1 or held is None or not held.holds_everything():
+            raise ConfigError("RECSYS_ROWS_NOWHERE=1: needs one trainer whose --held-rows-mb holds every row")
+        if cfg.recovery.checkpoint_every or cfg.recovery.inject or cfg.recovery.recovery == "log":
+            raise ConfigError("RECSYS_ROWS_NOWHERE=1: no checkpoints, update logs or injected failures")
+        self.store.rows_nowhere = True
+        print("warning: RECSYS_ROWS_NOWHERE=1: no row is written to Redis (a benchmark's ceiling)", file=sys.stderr)
 
     def prepare(self, batch: Batch) -> None:
         """On the data reader's read-ahead thread: the batch's unique row keys, before its step."""

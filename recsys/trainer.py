@@ -743,7 +743,17 @@ def worker_main(
             dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
         if claim is not None:
             namespace = torchrun_namespace(cfg, urls, namespace, rank, world_size, claim)
-        return Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []]).train()
+        trainer = Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
+        profile = os.environ.get("RECSYS_PROFILE")  # developers: cProfile of the training, per rank
+        if not profile:
+            return trainer.train()
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            try:
+                return trainer.train()
+            finally:
+                prof.dump_stats(f"{profile}.rank{rank}")
     except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
         line = report_error(Path(cfg.train.out), f"trainer{rank}", e)
         if not os.environ.get("RECSYS_SUPERVISED"):  # torchrun: nobody else prints it

@@ -8,7 +8,9 @@ engine inside the project's training loop, data read each step), and the Redis t
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
 trainer restarts on; the goal configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``:
 no per-step dense state, what the fused engine never writes; and with ``--write-every K``: each
-row written to its shard once per window of K steps). The project's DLRM computes
+row written to its shard once per window of K steps). The limit row is the design's own ceiling on
+this machine: the same loop (1 trainer, 2 shards, every row held) with each step's row writes built
+and never sent (``RECSYS_ROWS_NOWHERE=1``, refused anywhere a row would be read back). The project's DLRM computes
 torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
 engine with torchrec's stock interaction, as a torchrec user gets it. samples/s counts training
 steps only (no setup, no evaluation), after 10 warm-up steps for every engine: the project's runs
@@ -111,6 +113,21 @@ def config(
     if not restarts:
         cfg.recovery.max_restarts = 0
     return cfg
+
+
+LIMIT = "limit: the tier's loop, no row sent to Redis"
+
+
+def limit_run(cfg: RunConfig) -> dict:
+    """The design's own ceiling on this machine: the tier's run with every row write built and never
+    sent (``RECSYS_ROWS_NOWHERE=1``; one trainer holding every row, so nothing is read back)."""
+    import os
+
+    os.environ["RECSYS_ROWS_NOWHERE"] = "1"
+    try:
+        return run(cfg)
+    finally:
+        del os.environ["RECSYS_ROWS_NOWHERE"]
 
 
 def fused_samples_per_s(args, rows=None, dim=None, stock=False) -> float:
@@ -300,6 +317,12 @@ def preset_rounds(args, tmp: Path) -> None:
     print(
         f"| Redis tier, 1 trainer, 2 shards | {tier} | {np.median(got['redis']):,.0f} | {ratio} | {np.median(ratios):.2f}x |"
     )
+    try:
+        s = limit_run(preset_config(args, tmp / "preset-limit", "redis"))
+        parts["limit"] = step_parts(s)
+        print(f"| {LIMIT} | {tput(s):,.0f} (once, after the rounds) | | | {tput(s) / np.median(got['local']):.2f}x |")
+    except Exception as e:  # noqa: BLE001 - the row says why it is missing
+        print(f"| {LIMIT} | not measured: {str(e).splitlines()[-1][:120]} | | | |")
     for kind, p in parts.items():
         print(
             f"step ms ({kind}, last round): " + ", ".join(f"{k} {v:.1f}" for k, v in p.items() if isinstance(v, float))
@@ -431,6 +454,13 @@ def main() -> None:
                         rows.append(
                             (
                                 "redis tier, --max-restarts 0",
+                                *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
+                            )
+                        )
+                        summary = limit_run(config(args, out.with_name(out.name + "-limit"), "redis", s, False, w))
+                        rows.append(
+                            (
+                                LIMIT,
                                 *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                             )
                         )
