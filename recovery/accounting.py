@@ -54,8 +54,8 @@ class Ledger:
 
     ``counter``: update totals per shard, with snapshots at checkpoints and flushes; ``recent``: the
     totals of the last ``RECENT`` steps (a replica or a window's restore is as of any step);
-    ``since``: shard -> (step, totals) of its last partial restore, so that updates counted lost
-    then are not counted again; ``last_update``: per shard, the last step that updated rows on it
+    ``counted``: shard -> the intervals of steps its partial restores counted lost, each
+    ``[first step before, its totals, last step, its totals]``, so that no update is counted twice; ``last_update``: per shard, the last step that updated rows on it
     (a resume finds a shard behind only against it)."""
 
     def __init__(
@@ -66,7 +66,7 @@ class Ledger:
         self.keep_recent = recent or windowed
         self.windowed = windowed  # write-behind windows: a failed window's steps are redone, not lost
         self.lost: list[float] = []
-        self.since: dict[int, tuple[int, list[int]]] = {}
+        self.counted: dict[int, list[list]] = {}
         self.recent: dict[int, np.ndarray] = {}
         self.last_update = np.zeros(num_shards, dtype=np.int64)
 
@@ -102,20 +102,30 @@ class Ledger:
     def partial(self, rec: dict, shard: int, as_of: int, completed: int, saved: int, redo_steps: list[int]) -> None:
         """A shard restored as of step ``as_of`` (plus ``saved`` of its updates since, overlaid):
         the rest of its updates up to ``completed`` are lost. Updates counted lost at an earlier
-        failure of the shard are not lost again."""
-        since_step, since_totals = as_of, self.counter.at_step.get(as_of, np.zeros_like(self.counter.total))
-        earlier = self.since.get(shard)
-        if earlier is not None and earlier[0] > as_of:
-            since_step, since_totals = earlier[0], np.asarray(earlier[1], dtype=np.int64)
+        failure of the shard are not lost again: each restore's counted interval of steps is kept
+        per shard, and a later one counts only what lies outside all of them (a restore to an older
+        base than an earlier one's, its newer checkpoints corrupt, counts the steps between the two
+        bases too)."""
+        base = self.counter.at_step.get(as_of, np.zeros_like(self.counter.total))
         end, end_totals = self.lost_until(completed, redo_steps)
-        since = end_totals - since_totals if end > since_step else np.zeros_like(since_totals)
+        since = end_totals - base if end > as_of else np.zeros_like(base)
+        steps = max(0, end - as_of)
+        for lo, lo_totals, hi, hi_totals in self.counted.get(shard, []):
+            a, b = max(lo, as_of), min(hi, end)
+            if b <= a:
+                continue  # no step in common
+            at_a = np.asarray(lo_totals if a == lo else base, dtype=np.int64)
+            at_b = np.asarray(hi_totals if b == hi else end_totals, dtype=np.int64)
+            since = since - (at_b - at_a)  # counted then
+            steps -= b - a
         rec["lost_updates"] = max(int(since[shard]) - saved, 0)
-        samples_since = max(0, end - since_step) * self.batch_size
-        rec["lost_samples"] = round(lost_samples(samples_since, rec["lost_updates"], int(since.sum())), 3)
+        rec["lost_samples"] = round(lost_samples(steps * self.batch_size, rec["lost_updates"], int(since.sum())), 3)
         self.lost.append(rec["lost_samples"])
         after = self.counter.total if self.windowed else end_totals  # what a later restore counts from
-        self.since[shard] = (completed, after.tolist())
+        interval = [as_of, base.tolist(), completed, after.tolist()]
+        self.counted.setdefault(shard, []).append(interval)
         rec["_since"] = [completed, after.tolist()]
+        rec["_counted"] = interval
 
     def replica(self, rec: dict, shard: int, at: int, completed: int, redo_steps: list[int]) -> None:
         """A promoted replica holds every write up to its applied step ``at``: the later ones are lost."""
@@ -138,21 +148,38 @@ class Ledger:
     def from_journal(self, failures: list[dict]) -> None:
         """After a restart: the losses so far are the journal's (the dense state may be older)."""
         self.lost = [f["lost_samples"] for f in failures if "_since" in f]
+        self.counted = {}
         for f in failures:
             if "_since" in f:
-                self.since[int(f["target"])] = (int(f["_since"][0]), list(f["_since"][1]))
+                self.counted.setdefault(int(f["target"]), []).append(_interval(f))
 
     def state(self) -> dict:
         return {
             "counter": self.counter.state(),
             "lost": list(self.lost),
-            "lost_since": {str(s): [st, tot] for s, (st, tot) in self.since.items()},
+            "lost_counted": {str(s): intervals for s, intervals in self.counted.items()},
             "last_update": self.last_update.tolist(),
         }
 
     def load_state(self, state: dict) -> None:
         self.counter.load(state["counter"])
         self.lost = list(state["lost"])
-        self.since = {int(s): (int(v[0]), list(v[1])) for s, v in state.get("lost_since", {}).items()}
+        if "lost_counted" in state:
+            self.counted = {int(s): [list(i) for i in v] for s, v in state["lost_counted"].items()}
+        else:  # a run state written before the intervals were kept: the last restore's end alone
+            self.counted = {int(s): [_older(v[0], v[1])] for s, v in state.get("lost_since", {}).items()}
         if "last_update" in state:
             self.last_update = np.asarray(state["last_update"], dtype=np.int64)
+
+
+def _older(completed: int, totals: list[int]) -> list:
+    """An interval recorded before intervals were kept: every step up to ``completed`` counted."""
+    return [-1, [0] * len(totals), int(completed), list(totals)]
+
+
+def _interval(rec: dict) -> list:
+    """A failure record's counted interval (``_counted``; an older journal's ``_since`` alone)."""
+    if "_counted" in rec:
+        lo, lo_totals, hi, hi_totals = rec["_counted"]
+        return [int(lo), list(lo_totals), int(hi), list(hi_totals)]
+    return _older(rec["_since"][0], rec["_since"][1])

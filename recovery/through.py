@@ -283,8 +283,8 @@ class TrainThrough:
             return
         self.ledger.lost.extend(ledger.lost[self._lost_before :])
         for s in shards:
-            if s in ledger.since:
-                self.ledger.since[s] = ledger.since[s]
+            if s in ledger.counted:
+                self.ledger.counted[s] = ledger.counted[s]
         for rec, phase in journal.finished:
             s = int(rec["target"])
             rec["trained_through_steps"] = step - failed_at.get(s, step)

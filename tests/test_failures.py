@@ -35,6 +35,13 @@ def train(out: Path, *flags: str) -> dict:
     return train_cli(out, *BASE, *flags)
 
 
+def logged_rows(logs: Path, shard: int, after: int, upto: int) -> int:
+    """Rows the update log of ``shard`` holds for steps ``after``+1..``upto``."""
+    from recovery.log import ShardLog
+
+    return sum(len(r.ids) for r in ShardLog(logs, shard).records(after_step=after, up_to_step=upto))
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("base"))
@@ -182,10 +189,9 @@ def test_repeated_partial_failures_of_one_shard_count_each_loss_once(tmp_path):
     assert (first["step"], second["step"]) == (25, 32) and first["restored_from_step"] == 20 == second[
         "restored_from_step"
     ]
-    from recovery.log import ShardLog
 
     def rows(shard: int, after: int, upto: int) -> int:
-        return sum(len(r.ids) for r in ShardLog(logs, shard).records(after_step=after, up_to_step=upto))
+        return logged_rows(logs, shard, after, upto)
 
     assert first["lost_updates"] == rows(1, 20, 24) > 0
     assert second["lost_updates"] == rows(1, 24, 31) > 0  # not steps 21-24 again
@@ -194,6 +200,45 @@ def test_repeated_partial_failures_of_one_shard_count_each_loss_once(tmp_path):
     everything = sum(rows(s, 20, 24) for s in range(3))
     assert first["lost_samples"] == pytest.approx(4 * 256 * first["lost_updates"] / everything, abs=1e-3)
     assert s["pls"] == pytest.approx((first["lost_samples"] + second["lost_samples"]) / (40 * 256), rel=1e-6)
+
+
+def test_a_second_restore_to_an_older_base_counts_the_steps_between_the_bases(tmp_path):
+    """Shard 0 fails at step 25 (restored as of 20: steps 21-24 lost); checkpoint 20's shard 0 file is
+    corrupted at step 27, and the node of trainer 0 and shards 0 and 2 dies at step 28: shard 0 comes
+    back as of checkpoint 10. Lost then: steps 11-20, which the first restore had kept, and those
+    trained since it; 21-24 not twice. Both trainers restart with the node, so the intervals already
+    counted come back from the run's state."""
+    logs = tmp_path / "logs"
+    s = train(
+        tmp_path,
+        "--recovery",
+        "partial",
+        "--checkpoint-every",
+        "10",
+        "--keep-checkpoints",
+        "5",  # every checkpoint kept, so is every log segment (the expected counts)
+        "--log-dir",
+        str(logs),
+        "--inject",
+        "shard:0@step=25",
+        "--inject",
+        "corrupt-checkpoint:latest@step=27",
+        "--inject",
+        "node:0@step=28",
+    )
+    first, second = [f for f in s["failures"] if f["target"] == 0 and f.get("restored_from_step") is not None]
+    assert (first["kind"], first["step"], first["restored_from_step"]) == ("shard", 25, 20)
+    assert second["restored_from_step"] == 10 and "step 20" in second["corrupt_checkpoints"][0]
+
+    def rows(shard: int, after: int, upto: int) -> int:
+        return logged_rows(logs, shard, after, upto)
+
+    end = second["step"] - 1
+    assert first["lost_updates"] == rows(0, 20, 24) > 0
+    assert second["lost_updates"] == rows(0, 10, 20) + rows(0, 24, end) > rows(0, 24, end) > 0
+    everything = sum(rows(k, 10, 20) + rows(k, 24, end) for k in range(3))
+    steps = 10 + end - 24
+    assert second["lost_samples"] == pytest.approx(steps * 256 * second["lost_updates"] / everything, abs=1e-3)
 
 
 def test_incremental_recovery_restores_to_the_last_flush_and_loses_only_what_came_after(tmp_path):

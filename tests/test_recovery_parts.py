@@ -7,7 +7,7 @@ import redis
 import torch
 
 from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
-from recovery.accounting import UpdateCounter, lost_samples, pls
+from recovery.accounting import Ledger, UpdateCounter, lost_samples, pls
 from recovery.checkpoint import Checkpointer
 from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
 from recovery.inject import Injection, corrupt_file, parse_injection
@@ -122,6 +122,43 @@ def test_a_step_appended_right_after_a_queued_segment_switch_lands_in_the_new_se
         steps = [r.step for r in scan(seg)[0]]
         last = ShardLog.first_step(nxt) - 1 if nxt is not None else 120
         assert steps == list(range(ShardLog.first_step(seg), last + 1))
+
+
+def test_the_ledger_counts_what_no_earlier_restore_counted_and_keeps_it_across_a_restart():
+    """Shard 0 restored as of 20 at step 25, then as of 10 at step 28 (20 corrupt): the second loss
+    is steps 11-20 and 25-27, not 21-24 again; a ledger rebuilt from the journal or from its state
+    counts the same. Step k updates k rows of shard 0 and 1 of shard 1."""
+
+    def trained(ledger: Ledger, steps) -> None:
+        for k in steps:
+            ledger.count(np.array([0] * k + [1]), k)
+            if k % 10 == 0:
+                ledger.counter.mark(k)
+
+    def upd(a: int, b: int) -> int:  # shard 0's updates of steps a+1..b
+        return sum(range(a + 1, b + 1))
+
+    led = Ledger(2, batch_size=4)
+    trained(led, range(1, 25))
+    first: dict = {"target": 0}
+    led.partial(first, 0, 20, 24, 0, [])
+    assert first["lost_updates"] == upd(20, 24)
+    trained(led, range(25, 28))
+    copies = [Ledger(2, batch_size=4) for _ in range(2)]
+    copies[0].counter.load(led.counter.state())
+    copies[0].recent = dict(led.recent)
+    copies[0].from_journal([first])
+    copies[1].load_state(json.loads(json.dumps(led.state())))
+    copies[1].recent = dict(led.recent)
+    for ledger in (led, *copies):
+        second: dict = {"target": 0}
+        ledger.partial(second, 0, 10, 27, 0, [])
+        assert second["lost_updates"] == upd(10, 20) + upd(24, 27)
+        everything = second["lost_updates"] + 13  # shard 1: one update in each of those 13 steps
+        assert second["lost_samples"] == pytest.approx(13 * 4 * second["lost_updates"] / everything, abs=1e-3)
+    third: dict = {"target": 0}
+    led.partial(third, 0, 20, 27, 0, [])  # nothing of steps 21-27 is left to lose
+    assert third["lost_updates"] == 0 and third["lost_samples"] == 0.0
 
 
 def test_update_counter_and_pls():
