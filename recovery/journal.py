@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 from recovery import layout
 from recovery.files import append_line, read_lines, write_atomic
@@ -31,10 +34,18 @@ class Journal:
             f.write(f"{time.time():.3f} pid={os.getpid()} rank={self.rank} {what}\n")
 
     def record(self, rec: dict) -> None:
-        """A failure record, durable at once (a restart that follows must not lose it)."""
+        """A failure record, durable at once (a restart that follows must not lose it), and its one
+        line on the terminal (rank 0)."""
         self.failures.append(rec)
         if self.run_dir is not None and self.rank == 0:
             append_line(layout.failures_file(self.run_dir), rec)
+        if self.rank == 0:
+            self.say(failure_line(rec))
+
+    @staticmethod
+    def say(line: str) -> None:
+        """A line on the terminal, above the progress bar."""
+        tqdm.write(line, file=sys.stderr)
 
     def finish(self, rec: dict, phase: str) -> None:
         """A restore ended: its record timed and journaled (a transient refusal is only noted)."""
@@ -53,9 +64,14 @@ class Journal:
         return [{k: v for k, v in f.items() if not k.startswith("_")} for f in self.failures]
 
     def mark_in_recovery(self, shards: list[int]) -> None:
-        """Durable note of the shards being restored: a trainer restart redoes a restore cut short."""
-        if self.run_dir is not None:
+        """Durable note of the shards being restored: a trainer restart redoes a restore cut short.
+        None left: the note goes (a finished run's folder holds its results only)."""
+        if self.run_dir is None:
+            return
+        if shards:
             write_atomic(layout.in_recovery_file(self.run_dir), json.dumps(shards))
+        else:
+            layout.in_recovery_file(self.run_dir).unlink(missing_ok=True)
 
     def interrupted_restores(self) -> list[int]:
         if self.run_dir is None:
@@ -109,3 +125,18 @@ class Journal:
                 }
             )
             rolled = 0  # counted once, on the first
+
+
+def failure_line(rec: dict) -> str:
+    """A failure as the terminal says it: what failed at which step, how it came back, what it lost."""
+    how = str(rec.get("strategy", "?"))
+    if rec.get("restored_from_step") is not None:
+        how += f" from step {rec['restored_from_step']}"
+    lost = f"{int(rec.get('lost_updates') or 0):,} updates lost"
+    if rec.get("lost_samples"):
+        lost += f" ({rec['lost_samples']:,.1f} samples)"
+    through = f", trained through {rec['trained_through_steps']} steps" if rec.get("trained_through_steps") else ""
+    return (
+        f"failure: {rec.get('kind', 'shard')} {rec.get('target')} at step {rec.get('step')}: {how}, "
+        f"{float(rec.get('recovery_s') or 0):.2f} s, {lost}{through}"
+    )

@@ -458,5 +458,20 @@ def main(argv: list[str] | None = None) -> int:
             f"outputs in {cfg.train.out}/ (summary.json, metrics.jsonl, config.toml, plots/training.png)\n"
             f"final AUC {summary['final_auc']:.4f}"
             + (f"  beside the teacher's ceiling {ceiling:.4f}" if ceiling is not None else "")
+            + f"\n{failures_line(summary)}"
         )
     return 0
+
+
+def failures_line(summary: dict) -> str:
+    """The closing line on failures: how many, of what, what they lost (updates, PLS)."""
+    failures = summary.get("failures") or []
+    if not failures:
+        return "failures: none"
+    kinds: dict[str, int] = {}
+    for f in failures:
+        kinds[str(f.get("kind", "shard"))] = kinds.get(str(f.get("kind", "shard")), 0) + 1
+    what = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    lost = sum(int(f.get("lost_updates") or 0) for f in failures)
+    pls = float(summary.get("pls") or 0.0)
+    return f"failures: {len(failures)} ({what}), {lost:,} updates lost, PLS {pls:.6f} ({100 * pls:.4f}% of samples)"

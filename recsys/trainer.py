@@ -206,6 +206,7 @@ class Trainer:
         self._first_step = 1
         self._warm: tuple[int, float] | None = None  # (step, time) at the end of the warm-up steps
         self.last_eval: dict = {}
+        self._shown_loss: float | None = None  # the progress bar's: the last step record's loss
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
         self._checkpoint_owed = False  # one came due while a shard was away: taken at its rejoin
@@ -306,9 +307,12 @@ class Trainer:
 
     def show_progress(self, bar) -> None:
         bar.n = self.step
-        if self.out.records and self.out.records[-1].get("step") == self.step:
+        recent = [r for r in self.out.records[-4:] if r.get("step") == self.step and "loss" in r]
+        if recent:  # the step's own record (a priority save's or a checkpoint's has no loss)
+            self._shown_loss = recent[-1]["loss"]
+        if self._shown_loss is not None:
             auc = {"auc": f"{self.last_eval['auc']:.4f}"} if self.last_eval else {}
-            bar.set_postfix(loss=f"{self.out.records[-1].get('loss', float('nan')):.4f}", **auc, refresh=False)
+            bar.set_postfix(loss=f"{self._shown_loss:.4f}", **auc, refresh=False)
         bar.refresh()
 
     def train_step(self, batch) -> tuple[Outcome, object, torch.Tensor | None]:

@@ -412,3 +412,28 @@ def test_write_behind_windows_end_bit_for_bit(tmp_path, baseline_one, flags):
     else:
         # resumed from the last window written before the one in flight: at most two windows again
         assert 0 < f["replayed_steps"] <= 2 * 6, f
+
+
+def test_the_terminal_shows_each_failure_its_cost_and_the_runs_losses(tmp_path):
+    """What a user sees: the bar's last known loss (never nan: a priority save's record has no loss),
+    one line per failure as it is handled (shard, step, strategy, seconds, updates lost), the closing
+    lines with the failures and PLS beside AUC, and a finished folder without recovery notes."""
+    import re
+
+    from tests import procs
+
+    flags = [*BASE, "--inject", "shard:1@step=25", "--checkpoint-every", "10", "--recovery", "partial-mfu"]
+    proc = procs.run(["-m", "recsys", "train", *flags, "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    (f,) = s["failures"]
+    err = proc.stderr.replace("\r", "\n")
+    lines = [x for x in err.splitlines() if x.startswith("failure:")]
+    want = rf"failure: shard 1 at step 25: partial-mfu from step 20, [0-9.]+ s, {f['lost_updates']:,} updates lost"
+    assert len(lines) == 1 and re.match(want, lines[0]), lines
+    assert f["lost_updates"] > 0 and "loss=nan" not in err and "loss=" in err
+    closing = proc.stdout.strip().splitlines()[-1]
+    assert closing == (
+        f"failures: 1 (1 shard), {f['lost_updates']:,} updates lost, PLS {s['pls']:.6f} ({100 * s['pls']:.4f}% of samples)"
+    )
+    assert "final AUC" in proc.stdout and not (tmp_path / "recovery_in_progress.json").exists()
