@@ -52,48 +52,82 @@ class SGD:
 
 @dataclass(frozen=True)
 class RowWiseAdagrad:
+    """Row-wise Adagrad (``torchrec.optim.RowWiseAdagrad``; fbgemm's ``EXACT_ROWWISE_ADAGRAD``): one
+    accumulator per row, the mean of its squared gradient. ``lr_decay``, ``weight_decay`` (L2, on
+    the rows a step touches, as fbgemm's sparse update) and ``initial_accumulator_value`` (a
+    never-written row's accumulator) as torchrec's optimizer takes them."""
+
     lr: float = 0.01
     eps: float = 1e-10
     state_width: int = 1
     state_per_dim: int = 0
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"RowWiseAdagrad lr={self.lr} must be > 0")
-        if not self.eps >= 0:
-            raise ValueError(f"RowWiseAdagrad eps={self.eps} must be >= 0")
+        _check_adagrad(self, "RowWiseAdagrad")
 
     def apply(self, rows: torch.Tensor, grads: torch.Tensor, t: int | None = None) -> torch.Tensor:
         dim = grads.shape[1]
         weights, state = rows[:, :dim], rows[:, dim : dim + 1]
+        grads, clr = _adagrad_terms(self, weights, grads, t)
         state = state + grads.pow(2).mean(dim=1).view(-1, 1)  # [n, 1] running sum of mean g^2
         std = state.sqrt().add_(self.eps)
-        weights = weights.addcdiv(grads, std, value=-self.lr)
+        weights = weights.addcdiv(grads, std, value=-clr)
         return torch.cat([weights, state], dim=1)
+
+
+def _check_adagrad(opt, name: str) -> None:
+    if not opt.lr > 0:
+        raise ValueError(f"{name} lr={opt.lr} must be > 0")
+    for field in ("eps", "lr_decay", "weight_decay", "initial_accumulator_value"):
+        if not getattr(opt, field) >= 0:
+            raise ValueError(f"{name} {field}={getattr(opt, field)} must be >= 0")
+
+
+def _adagrad_terms(opt, weights: torch.Tensor, grads: torch.Tensor, t: int | None) -> tuple[torch.Tensor, float]:
+    """The gradient with L2 weight decay, and the step's learning rate (``lr_decay`` by the
+    optimizer step ``t``, as torch's Adagrad counts it: 1 on the first)."""
+    if opt.weight_decay:
+        grads = grads.add(weights, alpha=opt.weight_decay)
+    if not opt.lr_decay:
+        return grads, opt.lr
+    if t is None or t < 1:
+        raise ValueError(f"Adagrad lr_decay={opt.lr_decay} needs the optimizer step t >= 1, got {t}")
+    return grads, opt.lr / (1 + (t - 1) * opt.lr_decay)
+
+
+def initial_state(optimizer: RowOptimizer) -> float:
+    """The optimizer state of a row never written (Adagrad's ``initial_accumulator_value``; else 0)."""
+    return float(getattr(optimizer, "initial_accumulator_value", 0.0))
 
 
 @dataclass(frozen=True)
 class Adagrad:
     """Element-wise Adagrad (``torch.optim.Adagrad``; fbgemm's ``EXACT_ADAGRAD``, which the fused
-    engine runs on the host for ``torch.optim.Adagrad``): one accumulator per weight."""
+    engine runs on the host for ``torch.optim.Adagrad``): one accumulator per weight. ``lr_decay``,
+    ``weight_decay`` and ``initial_accumulator_value`` as torch's optimizer takes them (weight
+    decay on the rows a step touches)."""
 
     lr: float = 0.01
     eps: float = 1e-10
     state_width: int = 0
     state_per_dim: int = 1
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"Adagrad lr={self.lr} must be > 0")
-        if not self.eps >= 0:
-            raise ValueError(f"Adagrad eps={self.eps} must be >= 0")
+        _check_adagrad(self, "Adagrad")
 
     def apply(self, rows: torch.Tensor, grads: torch.Tensor, t: int | None = None) -> torch.Tensor:
         dim = grads.shape[1]
         weights, state = rows[:, :dim], rows[:, dim : 2 * dim]
+        grads, clr = _adagrad_terms(self, weights, grads, t)
         state = state.addcmul(grads, grads, value=1.0)
         std = state.sqrt().add_(self.eps)
-        weights = weights.addcdiv(grads, std, value=-self.lr)
+        weights = weights.addcdiv(grads, std, value=-clr)
         return torch.cat([weights, state], dim=1)
 
 

@@ -47,7 +47,7 @@ from embeddings.errors import (
     StoreAuthError,
 )
 from embeddings.held import HeldRows
-from embeddings.optim import RowOptimizer
+from embeddings.optim import RowOptimizer, initial_state
 from embeddings.outage import OutageRows
 from embeddings.rowinit import init_rows_keys
 from embeddings.shard_map import ShardMap
@@ -411,7 +411,7 @@ class RedisStore(StoreBase):
         if len(absent):
             dim = self.tables.specs[t0].dim
             out[absent, :dim] = init_rows_keys(self.seed, keys[absent], dim, self._scales)
-            out[absent, dim:] = 0.0
+            out[absent, dim:] = initial_state(self.optimizer)
         if len(pos) + len(absent) < len(keys):
             rest = np.ones(len(keys), bool)
             rest[pos] = False
@@ -582,10 +582,10 @@ class RedisStore(StoreBase):
 
     def initial_rows(self, keys: np.ndarray) -> np.ndarray:
         """The initial rows [n, width] of packed keys of tables of one row width (lazy-init weights,
-        zero optimizer state)."""
+        the optimizer's initial state)."""
         t = int(keys[0] >> rowkeys.ROW_BITS) if len(keys) else 0
         dim = self.tables.specs[t].dim
-        rows = np.zeros((len(keys), self.width(t)), np.float32)
+        rows = np.full((len(keys), self.width(t)), initial_state(self.optimizer), np.float32)
         rows[:, :dim] = init_rows_keys(self.seed, keys, dim, self._scales)
         return rows
 

@@ -16,7 +16,7 @@ import torch
 
 from embeddings import rowkeys
 from embeddings.errors import DimMismatchError, RowRangeError
-from embeddings.optim import RowOptimizer, state_of
+from embeddings.optim import RowOptimizer, initial_state, state_of
 from embeddings.rowinit import init_rows
 from embeddings.tables import TableSet
 
@@ -134,7 +134,7 @@ class StoreBase:
             if missing.any():
                 spec = self.tables.specs[t]
                 rows[missing, : spec.dim] = init_rows(self.seed, t, requests[t][missing], spec.dim, spec.scale)
-                rows[missing, spec.dim :] = 0.0
+                rows[missing, spec.dim :] = initial_state(self.optimizer)
             out[t] = rows
         return out
 

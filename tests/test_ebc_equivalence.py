@@ -489,3 +489,46 @@ def test_adam_counts_the_modules_steps_and_a_load_puts_the_count_back():
     assert twin.optimizer_step == STEPS
     with pytest.raises(ValueError, match="Adam needs the optimizer step"):
         store.apply_keys(np.array([0]), torch.ones(1, 8))
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "adagrad-exact"])
+def test_adagrad_keywords_as_torch_and_torchrec_take_them(kind):
+    """``lr_decay``, ``weight_decay`` and ``initial_accumulator_value``, as ``torch.optim.Adagrad``
+    and ``torchrec.optim.RowWiseAdagrad`` take them: rows and accumulators equal after a few steps.
+    Every batch touches every row: torch's dense weight decay moves every row each step, a store
+    only the rows a step touches (fbgemm's sparse update)."""
+    from embeddings import Adagrad, RowWiseAdagrad
+
+    kw = {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.01, "initial_accumulator_value": 0.1}
+    configs = [table("t0", 4, 6, ["f0"]), table("t1", 8, 6, ["f1", "f2"])]
+    ours_opt = RowWiseAdagrad(**kw) if kind == "adagrad" else Adagrad(**kw)
+    store = InProcessStore(TableSet.from_torchrec(configs), ours_opt, seed=3)
+    ours = StoreEmbeddingBagCollection(configs, store)
+    ref = reference(configs, False, store)
+    params = list(ref.parameters())
+    ref_opt = TorchrecRowWiseAdagrad(params, **kw) if kind == "adagrad" else torch.optim.Adagrad(params, **kw)
+    proj = projection(configs)
+    ids = torch.arange(6)
+    for step in range(4):
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0", "f1", "f2"],
+            values=torch.cat([ids, ids.flip(0), (ids + step) % 6]),
+            lengths=torch.ones(18, dtype=torch.int32),
+        )
+        out_ours, out_ref = ours(kjt), ref(kjt)
+        torch.testing.assert_close(out_ours.values(), out_ref.values(), rtol=0, atol=TOL)
+        loss_of(out_ours, proj).backward()
+        ours.apply_gradients()
+        ref_opt.zero_grad()
+        loss_of(out_ref, proj).backward()
+        ref_opt.step()
+    assert_rows_match(store, ref, configs, kind, ref_opt)
+
+
+def test_adagrad_keywords_out_of_range_are_refused_in_one_line():
+    from embeddings import Adagrad, RowWiseAdagrad
+
+    for cls in (Adagrad, RowWiseAdagrad):
+        for field in ("lr_decay", "weight_decay", "initial_accumulator_value"):
+            with pytest.raises(ValueError, match=rf"^{cls.__name__} {field}=-0.5 must be >= 0$"):
+                cls(lr=0.1, **{field: -0.5})
