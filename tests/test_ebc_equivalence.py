@@ -266,8 +266,14 @@ def run_equivalence(store, configs, weighted: bool, single: bool, kind: str, inp
     ours = StoreEmbeddingBagCollection(configs, store, is_weighted=weighted)
     ref = reference(configs, weighted, store)
     ref_opt = reference_optimizer(ref, kind)
+    side_by_side(ours, ref, ref_opt, batches(configs, weighted, single, np.random.default_rng(5), inputs), configs)
+    assert_rows_match(store, ref, configs, kind, ref_opt)
+
+
+def side_by_side(ours, ref, ref_opt, kjts, configs) -> None:
+    """Each batch through both modules: outputs equal, then each side's optimizer step."""
     proj = projection(configs)
-    for kjt in batches(configs, weighted, single, np.random.default_rng(5), inputs):
+    for kjt in kjts:
         out_ours, out_ref = ours(kjt), ref(kjt)
         assert out_ours.keys() == out_ref.keys()
         assert out_ours.length_per_key() == out_ref.length_per_key()
@@ -278,7 +284,6 @@ def run_equivalence(store, configs, weighted: bool, single: bool, kind: str, inp
         ref_opt.zero_grad()
         loss_of(out_ref, proj).backward()
         ref_opt.step()
-    assert_rows_match(store, ref, configs, kind, ref_opt)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -507,21 +512,16 @@ def test_adagrad_keywords_as_torch_and_torchrec_take_them(kind):
     ref = reference(configs, False, store)
     params = list(ref.parameters())
     ref_opt = TorchrecRowWiseAdagrad(params, **kw) if kind == "adagrad" else torch.optim.Adagrad(params, **kw)
-    proj = projection(configs)
     ids = torch.arange(6)
-    for step in range(4):
-        kjt = KeyedJaggedTensor.from_lengths_sync(
+    kjts = [
+        KeyedJaggedTensor.from_lengths_sync(
             keys=["f0", "f1", "f2"],
             values=torch.cat([ids, ids.flip(0), (ids + step) % 6]),
             lengths=torch.ones(18, dtype=torch.int32),
         )
-        out_ours, out_ref = ours(kjt), ref(kjt)
-        torch.testing.assert_close(out_ours.values(), out_ref.values(), rtol=0, atol=TOL)
-        loss_of(out_ours, proj).backward()
-        ours.apply_gradients()
-        ref_opt.zero_grad()
-        loss_of(out_ref, proj).backward()
-        ref_opt.step()
+        for step in range(4)
+    ]
+    side_by_side(ours, ref, ref_opt, kjts, configs)
     assert_rows_match(store, ref, configs, kind, ref_opt)
 
 
