@@ -122,10 +122,60 @@ class TableLocation(nn.Module):
     (``ValueError``); one that names another store or namespace warns that the rows stay where they
     are."""
 
-    def __init__(self, entry: dict, steps: list[int] | None = None) -> None:
+    def __init__(self, entry: dict, steps: list[int] | None = None, store=None, weights_mb: float = 0.0) -> None:
         super().__init__()
         self.entry = entry
         self.steps = steps if steps is not None else [0]  # the module's optimizer step, shared by its tables
+        self._store = store
+        self.weights_mb = weights_mb
+        self.mb = entry["num_rows"] * entry["dim"] * 4 / 2**20  # the table's weights, fp32
+
+    @property
+    def as_weight(self) -> bool:
+        """Whether the table is given as torchrec gives it (``weight``, ``state_dict``'s ``weight``)."""
+        return self._store is not None and self.mb <= self.weights_mb
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table's rows [num_rows, dim], read from the store (a copy: writes to it stay here).
+        Only for a table within ``weights_mb``; beyond it, one line naming the table and the budget."""
+        name = self.entry["table"]
+        if not self.as_weight:
+            raise ValueError(
+                f"table {name!r}: {self.mb:.1f} MB of weights is over weights_mb={self.weights_mb:g} "
+                "(StoreEmbeddingBagCollection(weights_mb=...)): its rows stay on the store (store.read_rows)"
+            )
+        rows = self._store.read_rows(name, np.arange(self.entry["num_rows"]))
+        return torch.from_numpy(np.ascontiguousarray(rows[:, : self.entry["dim"]]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if self.as_weight:  # torchrec's key alone: a torchrec module loads it as its own
+            destination[prefix + "weight"] = self.weight
+            return
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+            return
+        weight = state_dict[key]
+        shape = (self.entry["num_rows"], self.entry["dim"])
+        if tuple(weight.shape) != shape:
+            errors.append(f"table {self.entry['table']!r}: a weight of {tuple(weight.shape)} for a table of {shape}")
+            return
+        if self._store is None:
+            errors.append(f"table {self.entry['table']!r}: a weight to load, and no store to hold it")
+            return
+        self._write(weight)
+
+    def _write(self, weight: torch.Tensor) -> None:
+        """The table's weights onto the store, each row's optimizer state kept."""
+        name, n, dim = self.entry["table"], self.entry["num_rows"], self.entry["dim"]
+        ids = np.arange(n)
+        rows = self._store.read_rows(name, ids)
+        rows[:, :dim] = weight.detach().to("cpu", torch.float32).numpy()
+        self._store.write_rows(name, ids, rows)
 
     def get_extra_state(self) -> dict:
         return {**self.entry, "optimizer_step": self.steps[0]}
@@ -177,13 +227,21 @@ def sum_by_key(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch
 class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """torchrec's ``EmbeddingBagCollection`` over rows that live in an ``EmbeddingStore``.
 
-    ``StoreEmbeddingBagCollection(tables, store, is_weighted=False, row_source=None, device=None)``:
-    ``tables`` as torchrec takes them (each must be a table of ``store`` with the same rows and dim;
-    duplicate names raise ``ValueError`` as torchrec's does), ``row_source`` where forward reads rows
-    (the store, or a stage or prefetch in front of it), ``device`` where the pooled embeddings are
-    computed (rows are moved there; ``.device`` says which, and follows ``module.to(...)``). On
-    ``device="meta"`` (torchrec's planners build modules there) the store may be None and is never
-    read: forward returns meta tensors of the output's shape.
+    ``StoreEmbeddingBagCollection(tables, store, is_weighted=False, row_source=None, device=None,
+    weights_mb=0.0)``: ``tables`` as torchrec takes them (each must be a table of ``store`` with the
+    same rows and dim; duplicate names raise ``ValueError`` as torchrec's does), ``row_source`` where
+    forward reads rows (the store, or a stage or prefetch in front of it), ``device`` where the pooled
+    embeddings are computed (rows are moved there; ``.device`` says which, and follows
+    ``module.to(...)``). On ``device="meta"`` (torchrec's planners build modules there) the store may
+    be None and is never read: forward returns meta tensors of the output's shape.
+
+    ``weights_mb`` (default 0: none): a table of at most that many MB of fp32 weights is given as
+    torchrec gives it: ``embedding_bags[name].weight`` (its rows read from the store, a copy) and
+    ``state_dict``'s ``embedding_bags.<table>.weight`` in place of its location entry, so a torchrec
+    ``EmbeddingBagCollection`` loads this module's state dict and this module loads its (the rows
+    written to the store, each row's optimizer state kept). A larger table's ``weight`` is refused
+    in one line naming the table and the budget. A ``weight`` in a loaded state dict is always
+    written to the store, whatever the budget.
 
     What it refuses, each with one clear error:
 
@@ -203,8 +261,11 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         is_weighted: bool = False,
         row_source=None,
         device: torch.device | str | None = None,
+        weights_mb: float = 0.0,
     ) -> None:
         super().__init__()
+        if not weights_mb >= 0:
+            raise ValueError(f"StoreEmbeddingBagCollection weights_mb={weights_mb} must be >= 0")
         self._device = torch.device(device) if device is not None else _HOST
         self._on_host = self._device.type == "cpu"
         names = set()
@@ -265,7 +326,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # every table's state_dict entry, and put back by a load
         self._steps = [0]
         self.embedding_bags = nn.ModuleDict(  # torchrec's attribute name
-            {c.name: TableLocation(self._location(c, store), self._steps) for c in tables}
+            {c.name: TableLocation(self._location(c, store), self._steps, store, weights_mb) for c in tables}
         )
         # per forward with grad: (dim, packed keys [U], leaves of their rows in key order: one for
         # every table of a dim, or with several features on a table one per table, each feature

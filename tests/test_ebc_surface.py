@@ -307,3 +307,61 @@ def test_tracing_scripting_and_export_refused_with_one_error():
         torch.export.export(model, (dense, kjt), strict=True)
     with pytest.raises(NotTraceableError, match="cannot be traced by torch.jit.trace"):
         torch.jit.trace(lambda d: ebc(kjt).values() + d.sum(), (dense,))
+
+
+# -- torchrec's weights ----------------------------------------------------------------------------
+
+
+def test_weights_within_the_budget_load_into_torchrec_and_back_with_the_rows_equal():
+    """``weights_mb``: the state dict holds torchrec's keys alone, which a torchrec
+    ``EmbeddingBagCollection`` loads strictly, and ours loads a torchrec module's (its rows written
+    to the store, each row's optimizer state kept); outputs and rows equal both ways."""
+    configs = MIXED()
+    store = make_store(configs, "adagrad")
+    ours = StoreEmbeddingBagCollection(configs, store, weights_mb=1)
+    proj = projection(configs)
+    rng = np.random.default_rng(2)
+    for _ in range(3):  # rows and accumulators away from their initial values
+        loss_of(ours(make_batch(configs, rng)), proj).backward()
+        ours.apply_gradients()
+    ref = EmbeddingBagCollection(MIXED())
+    sd = ours.state_dict()
+    assert sorted(sd) == sorted(ref.state_dict())  # embedding_bags.<table>.weight, nothing else
+    ref.load_state_dict(sd)
+    for c in configs:
+        want = store.read_rows(c.name, np.arange(c.num_embeddings))[:, : c.embedding_dim]
+        assert torch.equal(ref.embedding_bags[c.name].weight.detach(), torch.from_numpy(want))
+        assert torch.equal(ours.embedding_bags[c.name].weight, torch.from_numpy(want))
+    kjt = make_batch(configs, rng)
+    torch.testing.assert_close(ours(kjt).values(), ref(kjt).values(), rtol=0, atol=1e-6)
+
+    # back: torchrec's rows into ours; the accumulators the store holds stay
+    with torch.no_grad():
+        for bag in ref.embedding_bags.values():
+            bag.weight.normal_()
+    state_before = {c.name: store.read_rows(c.name, np.arange(c.num_embeddings))[:, c.embedding_dim :] for c in configs}
+    ours.load_state_dict(ref.state_dict())
+    for c in configs:
+        rows = store.read_rows(c.name, np.arange(c.num_embeddings))
+        assert np.array_equal(rows[:, : c.embedding_dim], ref.embedding_bags[c.name].weight.detach().numpy())
+        assert np.array_equal(rows[:, c.embedding_dim :], state_before[c.name]) and state_before[c.name].any()
+    torch.testing.assert_close(ours(kjt).values(), ref(kjt).values(), rtol=0, atol=1e-6)
+
+
+def test_a_weight_over_the_budget_is_refused_in_one_line_and_the_default_gives_none():
+    configs = MIXED()
+    store = make_store(configs, "sgd")
+    small = StoreEmbeddingBagCollection(configs, store, weights_mb=1e-3)  # t1, t3, t4 fit; t0, t2 do not
+    sizes = {c.name: c.num_embeddings * c.embedding_dim * 4 / 2**20 for c in configs}
+    big = next(n for n, mb in sizes.items() if mb > 1e-3)
+    with pytest.raises(ValueError, match=rf"^table '{big}': [0-9.]+ MB of weights is over weights_mb=0.001 "):
+        _ = small.embedding_bags[big].weight
+    assert 0 < sum(mb <= 1e-3 for mb in sizes.values()) < len(sizes)
+    sd = small.state_dict()
+    for name, mb in sizes.items():
+        key = f"embedding_bags.{name}"
+        assert (f"{key}.weight" in sd) == (mb <= 1e-3) and (f"{key}._extra_state" in sd) == (mb > 1e-3)
+    default = StoreEmbeddingBagCollection(configs, store).state_dict()
+    assert all(k.endswith("._extra_state") for k in default)  # the rows stay on the store
+    with pytest.raises(ValueError, match="weights_mb=-1 must be >= 0"):
+        StoreEmbeddingBagCollection(configs, store, weights_mb=-1)
