@@ -365,3 +365,22 @@ def test_a_weight_over_the_budget_is_refused_in_one_line_and_the_default_gives_n
     assert all(k.endswith("._extra_state") for k in default)  # the rows stay on the store
     with pytest.raises(ValueError, match="weights_mb=-1 must be >= 0"):
         StoreEmbeddingBagCollection(configs, store, weights_mb=-1)
+
+
+def test_built_on_meta_then_to_empty_on_the_host_reads_its_store_as_torchrecs_reads_its_weights():
+    """torchrec's modules are built on ``meta`` (a planner's shape pass) and then ``to_empty`` on a
+    real device; ours too: with a store its outputs equal torchrec's over the same rows, without one
+    the first forward says so in one line."""
+    configs = MIXED()
+    store = make_store(configs, "sgd")
+    ours = StoreEmbeddingBagCollection(configs, store, device="meta")
+    assert ours.device.type == "meta"
+    ours = ours.to_empty(device="cpu")
+    assert ours.device.type == "cpu"
+    theirs = EmbeddingBagCollection(MIXED(), device=torch.device("meta")).to_empty(device="cpu")
+    theirs.load_state_dict(reference(configs, False, store).state_dict())
+    kjt = make_batch(configs, np.random.default_rng(1))
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), rtol=0, atol=1e-6)
+    bare = StoreEmbeddingBagCollection(MIXED(), None, device="meta").to_empty(device="cpu")
+    with pytest.raises(ValueError, match="built on device='meta' without a store has no rows to read"):
+        bare(kjt)
