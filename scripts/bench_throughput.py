@@ -330,6 +330,23 @@ def preset_rounds(args, tmp: Path) -> None:
 
 
 def main() -> None:
+    args = parser().parse_args()
+    if args.preset:
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+        with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
+            preset_rounds(args, Path(tmp))
+    elif args.sweep:
+        print_sweep(args)
+    elif args.cache_sweep:
+        print_cache_sweep(args)
+    else:
+        rows, pairs, threads = measure(args)
+        print_table(args, rows)
+        if pairs:
+            print_pairs(args, pairs, threads)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps per configuration")
     ap.add_argument("--batch-size", type=int, default=1024, help="global batch size")
@@ -373,55 +390,58 @@ def main() -> None:
         help="only this: the tier against the fused engine under a preset (mlperf-v2: DCN-v2, multi-hot bags, "
         "MLPerf DLRM-v2's table shapes scaled down), --pairs rounds",
     )
-    args = ap.parse_args()
-    if args.preset:
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-        with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
-            preset_rounds(args, Path(tmp))
-        return
-    if args.sweep:
-        with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
-            args.tmp = tmp
-            swept = sweep(args, Path(tmp))
-        print(
-            f"\nsteps={args.steps} batch={args.batch_size}; tier: 1 trainer, 2 local shards, row cache {args.sweep_cache_mb:g} MB"
-        )
-        print("| rows per table | dim | tier samples/s | tier hit rate | tier peak RSS MB | fused engine samples/s |")
-        print("|---" * 6 + "|")
-        for r, d, tier, fused in swept:
-            if "failed" in tier:
-                print(f"| {r:,} | {d} | failed: {tier['failed']} | | | {fused} |")
-                continue
-            c = tier.get("row_cache") or {}
-            hit = f"{c['hits'] / c['lookups']:.3f}" if c.get("lookups") else "-"
-            print(f"| {r:,} | {d} | {tput(tier):,.0f} | {hit} | {tier['max_rss_mb']:,.0f} | {fused} |")
-        return
-    if args.cache_sweep:
-        with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
-            args.tmp = tmp
-            table_mb = 26 * args.rows_per_table * (args.embedding_dim + 1) * 4 / 2**20
-            got = cache_sweep(args, Path(tmp))
-            fused = fused_samples_per_s(args)
-        print(f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim}")
-        print(f"({table_mb:,.0f} MB of rows and row-wise state); torchrec fused EBC: {fused:,.0f} samples/s\n")
-        print("(budgets in percent of those bytes; a slot also costs its bookkeeping, so 100% holds fewer rows")
-        print("than every row; 'every row': a slot for each; RSS over: peak RSS - budget - the no-cache run's RSS)\n")
-        head = "| ids | cache budget | MB | samples/s | x every row | x fused | hit rate | evicted rows | peak RSS MB |"
-        print(head + " RSS over MB |")
-        print("|---" * 10 + "|")
-        for zipf in (1.2, 0):
-            rs = [r for r in got if r["zipf"] == zipf]
-            full = rs[0]["tput"]
-            base = next(r["rss"] for r in rs if r["mb"] == 0)
-            for r in rs:
-                hit = f"{r['hit']:.3f}" if r["hit"] is not None else "-"
-                over = r["rss"] - r["mb"] - base
-                print(
-                    f"| {'Zipf 1.2' if zipf else 'uniform'} | {r['label']} | {r['mb']:,.1f} | {r['tput']:,.0f} | "
-                    f"{r['tput'] / full:.2f}x | {r['tput'] / fused:.2f}x | {hit} | {r.get('evicted', 0):,} | "
-                    f"{r['rss']:,.0f} | {over:,.0f} |"
-                )
-        return
+    return ap
+
+
+def print_sweep(args) -> None:
+    """``--sweep``: rows per table against samples/s, the tier beside the fused engine."""
+    with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
+        args.tmp = tmp
+        swept = sweep(args, Path(tmp))
+    print(
+        f"\nsteps={args.steps} batch={args.batch_size}; tier: 1 trainer, 2 local shards, row cache {args.sweep_cache_mb:g} MB"
+    )
+    print("| rows per table | dim | tier samples/s | tier hit rate | tier peak RSS MB | fused engine samples/s |")
+    print("|---" * 6 + "|")
+    for r, d, tier, fused in swept:
+        if "failed" in tier:
+            print(f"| {r:,} | {d} | failed: {tier['failed']} | | | {fused} |")
+            continue
+        c = tier.get("row_cache") or {}
+        hit = f"{c['hits'] / c['lookups']:.3f}" if c.get("lookups") else "-"
+        print(f"| {r:,} | {d} | {tput(tier):,.0f} | {hit} | {tier['max_rss_mb']:,.0f} | {fused} |")
+
+
+def print_cache_sweep(args) -> None:
+    """``--cache-sweep``: each row cache budget against the tier's samples/s, hit rate and RSS."""
+    with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
+        args.tmp = tmp
+        table_mb = 26 * args.rows_per_table * (args.embedding_dim + 1) * 4 / 2**20
+        got = cache_sweep(args, Path(tmp))
+        fused = fused_samples_per_s(args)
+    print(f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim}")
+    print(f"({table_mb:,.0f} MB of rows and row-wise state); torchrec fused EBC: {fused:,.0f} samples/s\n")
+    print("(budgets in percent of those bytes; a slot also costs its bookkeeping, so 100% holds fewer rows")
+    print("than every row; 'every row': a slot for each; RSS over: peak RSS - budget - the no-cache run's RSS)\n")
+    head = "| ids | cache budget | MB | samples/s | x every row | x fused | hit rate | evicted rows | peak RSS MB |"
+    print(head + " RSS over MB |")
+    print("|---" * 10 + "|")
+    for zipf in (1.2, 0):
+        rs = [r for r in got if r["zipf"] == zipf]
+        full = rs[0]["tput"]
+        base = next(r["rss"] for r in rs if r["mb"] == 0)
+        for r in rs:
+            hit = f"{r['hit']:.3f}" if r["hit"] is not None else "-"
+            over = r["rss"] - r["mb"] - base
+            print(
+                f"| {'Zipf 1.2' if zipf else 'uniform'} | {r['label']} | {r['mb']:,.1f} | {r['tput']:,.0f} | "
+                f"{r['tput'] / full:.2f}x | {r['tput'] / fused:.2f}x | {hit} | {r.get('evicted', 0):,} | "
+                f"{r['rss']:,.0f} | {over:,.0f} |"
+            )
+
+
+def measure(args) -> tuple[list, list, list]:
+    """The main table's runs, then ``--pairs`` rounds: -> (table rows, rounds, training-thread times)."""
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     shard_counts = [int(s) for s in args.shards.split(",")]
     trainer_counts = [int(t) for t in args.trainers.split(",")]
@@ -505,6 +525,10 @@ def main() -> None:
             got = {j: measures[j]() for j in order}
             pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k > 1 else None))
             threads.append([g.get("training_thread_ms") or {} for g in (got[2], got.get(3)) if g is not None])
+    return rows, pairs, threads
+
+
+def print_table(args, rows: list) -> None:
     ref = max(rows[0][4], rows[1][4], rows[2][4])  # the plain loop twice, and --embeddings local
     print(
         f"\nsteps={args.steps} batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
@@ -524,32 +548,34 @@ def main() -> None:
         cells += " | " + (" / ".join(str(ms[k]) for k in parts[6:]) if "on_cpu" in ms else "")
         whole = f"{whole:,.0f}" if whole is not None else ""
         print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
-    if pairs:
-        k = max(1, args.write_every)
-        win = [f"tier, --write-every {k}", "x fused"] if k > 1 else []
+
+
+def print_pairs(args, pairs: list, threads: list) -> None:
+    k = max(1, args.write_every)
+    win = [f"tier, --write-every {k}", "x fused"] if k > 1 else []
+    print(
+        "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) | "
+        + "".join(f"{c} | " for c in win)
+        + "tier's training thread on_cpu / runnable / blocked (ms/step)"
+        + (" (every step; window)" if win else "")
+        + " |"
+    )
+    print("|---" * (7 + len(win)) + "|")
+    names = ["plain", "loop", "tier"] + (["window"] if win else [])
+    for i, ((plain, local, tier, window), ths) in enumerate(zip(pairs, threads)):
+        order = ", ".join(names if i % 2 == 0 else names[::-1])
+        split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
+        best = max(plain, local)
+        extra = f"{window:,.0f} | {window / best:.2f}x | " if win else ""
         print(
-            "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) | "
-            + "".join(f"{c} | " for c in win)
-            + "tier's training thread on_cpu / runnable / blocked (ms/step)"
-            + (" (every step; window)" if win else "")
-            + " |"
+            f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
         )
-        print("|---" * (7 + len(win)) + "|")
-        names = ["plain", "loop", "tier"] + (["window"] if win else [])
-        for i, ((plain, local, tier, window), ths) in enumerate(zip(pairs, threads)):
-            order = ", ".join(names if i % 2 == 0 else names[::-1])
-            split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
-            best = max(plain, local)
-            extra = f"{window:,.0f} | {window / best:.2f}x | " if win else ""
-            print(
-                f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
-            )
-        for what, at in [("tier", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
-            ratios = sorted(r[at] / max(r[0], r[1]) for r in pairs)
-            print(
-                f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
-                f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
-            )
+    for what, at in [("tier", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
+        ratios = sorted(r[at] / max(r[0], r[1]) for r in pairs)
+        print(
+            f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":
