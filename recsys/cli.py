@@ -213,7 +213,37 @@ RESUME_FLAGS = {_FLAG_OF[k] for k in RESUME_MAY_CHANGE if k in _FLAG_OF and k !=
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
     sub = ap.add_subparsers(dest="command", required=True)
-    tr = sub.add_parser("train", help="train a DLRM model")
+    add_train_arguments(sub.add_parser("train", help="train a DLRM model"))
+    from recsys.bench import __doc__ as bench_doc
+    from recsys.bench import add_arguments
+
+    br = sub.add_parser(
+        "bench-recovery",
+        help="benchmark the recovery strategies",
+        description=bench_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(br)
+    cp = sub.add_parser(
+        "compare",
+        help="put two or more run folders side by side (table and plot)",
+        description=__import__("recsys.comparison", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
+    cp.add_argument("--out", default=None, help="where compare.md and compare.png go (default: beside the first run)")
+    vf = sub.add_parser(
+        "verify",
+        help="rebuild a finished run's rows from its checkpoint and update logs and compare them with its final rows",
+        description=__import__("recsys.verify", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
+    return ap
+
+
+def add_train_arguments(tr: argparse.ArgumentParser) -> None:
+    """``recsys train``'s flags: every config field's (``FLAGS``), then the switches and actions."""
     tr.add_argument("--config", help="TOML file with [data] [model] [embeddings] [optim] [train] [recovery] sections")
     defaults = RunConfig().to_dict()  # a flag not given keeps the config's value: these, or --config's
     for flag, (section, field, typ, help_) in FLAGS.items():
@@ -286,32 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the --namespace belongs to another run (its claim on the shards) that is gone: delete every key "
         "of the namespace on every shard (its rows, its claim) and claim it for this run",
     )
-    from recsys.bench import __doc__ as bench_doc
-    from recsys.bench import add_arguments
-
-    br = sub.add_parser(
-        "bench-recovery",
-        help="benchmark the recovery strategies",
-        description=bench_doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(br)
-    cp = sub.add_parser(
-        "compare",
-        help="put two or more run folders side by side (table and plot)",
-        description=__import__("recsys.comparison", fromlist=["x"]).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
-    cp.add_argument("--out", default=None, help="where compare.md and compare.png go (default: beside the first run)")
-    vf = sub.add_parser(
-        "verify",
-        help="rebuild a finished run's rows from its checkpoint and update logs and compare them with its final rows",
-        description=__import__("recsys.verify", fromlist=["x"]).__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
-    return ap
 
 
 def flag_of(key: str) -> str:
