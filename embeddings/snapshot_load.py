@@ -27,7 +27,7 @@ import numpy as np
 from embeddings.errors import ShardDataError
 from embeddings.rdb import check_file, decode_value, group_rows, read_keys, restore_payloads
 from embeddings.sync_load import load_by_sync
-from embeddings.wire import WireError
+from embeddings.wire import WireError, restore_many, restore_one
 
 # the answers of a server that will not take RESTORE (fallen back from); any other error is raised
 _REFUSALS = ("ERR unknown command", "NOPERM", "ERR DUMP payload version", "ERR Bad data format")
@@ -106,14 +106,14 @@ def _by_restore(store, shard: int, path, then: str) -> int | None:
             if first is None:
                 return 0
             try:
-                refused = wire.restore_one(*first)
+                refused = restore_one(wire, *first)
                 if refused is not None:
                     if not refused.startswith(_REFUSALS):
                         raise WireError(refused)  # mapped to unavailable / data error by ``_call``
                     _refuse(store, shard, refused, then)
                     return None
-                wire.restore_many(items)
-                wire.restore_many(later)
+                restore_many(wire, items)
+                restore_many(wire, later)
             finally:
                 items.close()  # the file's mapping is let go of, whatever happened
             return sent[0]

@@ -398,51 +398,6 @@ class RowConnection:
 
         self._run(run)
 
-    def restore_one(self, key: bytes, payload: bytes | bytearray) -> str | None:
-        """``RESTORE key 0 payload REPLACE`` alone: -> None when the server took it, else its error
-        text (a server that refuses the command: an ACL, a renamed command, an older RDB version)."""
-
-        def run():
-            self._send(b"".join(_restore_command(key, payload)))
-            line = self._line()
-            if line == b"+OK":
-                return None
-            if line.startswith(b"-"):
-                return line[1:].decode(errors="replace")
-            self._fail(line + b"\r\n")
-
-        return self._run(run)
-
-    def restore_many(self, payloads, batch_bytes: int = 4 << 20) -> int:
-        """``RESTORE key 0 payload REPLACE`` for each (key, payload), pipelined: batches of about
-        ``batch_bytes`` are built here while a sender thread writes the ones before to the socket,
-        so that the server is never left without work; the replies (5 bytes each) are read at the
-        end, the first error among them raised. Each send, and the reading, gets the connection's
-        timeout. -> keys restored."""
-
-        def run():
-            sent = _Sender(self)
-            count, parts, size = 0, [], 0
-            try:
-                for key, payload in payloads:
-                    parts += _restore_command(key, payload)
-                    size += len(payload)
-                    count += 1
-                    if size >= batch_bytes:
-                        sent.put(b"".join(parts))
-                        parts, size = [], 0
-                if parts:
-                    sent.put(b"".join(parts))
-            except BaseException:
-                sent.close(quiet=True)  # the error that stopped the batches is the one raised
-                raise
-            sent.close()
-            self._deadline = time.monotonic() + self.timeout_s
-            self._expect(b"+OK\r\n" * count)
-            return count
-
-        return self._run(run)
-
     def _get(self, key: bytes) -> bytes | None:
         self._send(encode_command([b"GET", key]))
         line = self._line()
@@ -559,3 +514,51 @@ class RowConnection:
                     line = self._line()
                     if not line.startswith(b":"):
                         self._fail(line + b"\r\n")
+
+
+# -- RESTORE of serialized values (embeddings.snapshot_load) --------------------------------
+def restore_one(conn: RowConnection, key: bytes, payload: bytes | bytearray) -> str | None:
+    """``RESTORE key 0 payload REPLACE`` alone: -> None when the server took it, else its error
+    text (a server that refuses the command: an ACL, a renamed command, an older RDB version)."""
+
+    def run():
+        conn._send(b"".join(_restore_command(key, payload)))
+        line = conn._line()
+        if line == b"+OK":
+            return None
+        if line.startswith(b"-"):
+            return line[1:].decode(errors="replace")
+        conn._fail(line + b"\r\n")
+
+    return conn._run(run)
+
+
+def restore_many(conn: RowConnection, payloads, batch_bytes: int = 4 << 20) -> int:
+    """``RESTORE key 0 payload REPLACE`` for each (key, payload), pipelined: batches of about
+    ``batch_bytes`` are built here while a sender thread writes the ones before to the socket,
+    so that the server is never left without work; the replies (5 bytes each) are read at the
+    end, the first error among them raised. Each send, and the reading, gets the connection's
+    timeout. -> keys restored."""
+
+    def run():
+        sent = _Sender(conn)
+        count, parts, size = 0, [], 0
+        try:
+            for key, payload in payloads:
+                parts += _restore_command(key, payload)
+                size += len(payload)
+                count += 1
+                if size >= batch_bytes:
+                    sent.put(b"".join(parts))
+                    parts, size = [], 0
+            if parts:
+                sent.put(b"".join(parts))
+        except BaseException:
+            sent.close(quiet=True)  # the error that stopped the batches is the one raised
+            raise
+        sent.close()
+        conn._deadline = time.monotonic() + conn.timeout_s
+        conn._expect(b"+OK\r\n" * count)
+        return count
+
+    return conn._run(run)
