@@ -36,6 +36,7 @@ from recovery.protocol import Collective, CommitPoints, Detector, Outcome, Verdi
 from recovery.restart import Restarts
 from recovery.restore import ShardRestore
 from recovery.restorers import RESTORERS, Full
+from recovery.saves import RowSaves
 from recovery.strategy import Strategy
 from recovery.through import THROUGH_PHASES, TrainThrough
 from recovery.writer import SparseWriter
@@ -104,6 +105,8 @@ class RecoveryManager:
         windowed = self.writes.window is not None
         self.ledger = Ledger(n, self.batch_size, self.counter, recent=self.strategy.promotes, windowed=windowed)
         self.counter = self.ledger.counter
+        # priority saves, flushes and what a checkpoint closes: ``mgr.saves.on_checkpoint(step)``, ...
+        self.saves = RowSaves(self.counter, self.priority, self.flusher, self.logs)
         self.tools = ShardRestore(
             self.store,
             self.strategy,
@@ -228,34 +231,6 @@ class RecoveryManager:
         for w in (self.priority, self.flusher):
             if w is not None:
                 w.observe(keys, shards)
-
-    def on_checkpoint(self, step: int) -> None:
-        self.counter.mark(step)
-        for w in (self.priority, self.flusher):
-            if w is not None:
-                w.on_checkpoint(step)
-        for log in self.logs.values():
-            log.open_segment(step + 1)
-
-    def flush(self, step: int) -> int:
-        """incremental: this writer's rows dirtied since its last flush go to disk (off the path);
-        the update totals as of ``step`` are kept for the loss accounting of a restore to it."""
-        self.counter.mark(step)
-        return self.flusher.flush(step) if self.flusher is not None else 0
-
-    def save_priority(self, step: int) -> int:
-        """partial-mfu / partial-ssu: this writer's priority rows copied (a thread writes them)."""
-        return self.priority.save(step) if self.priority is not None else 0
-
-    def prepare_priority(self) -> None:
-        """The next priority save's rows picked now, off the path."""
-        if self.priority is not None:
-            self.priority.prepare()
-
-    def suspend_flushes(self) -> None:
-        """After a restart: rows dirtied before it are unknown (the next flush is whole)."""
-        if self.flusher is not None:
-            self.flusher.suspend()
 
     def latest_shard_file(self, shard: int) -> Path | None:
         return self.tools.latest_shard_file(shard)

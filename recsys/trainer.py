@@ -410,7 +410,7 @@ class Trainer:
         # the next priority save's rows are picked off the path, a few steps ahead
         ahead = min(PREPARE_AHEAD, self.schedule.priority_every - 1)
         if ahead and self.schedule.priority_due(step + ahead) and not self.recovery.outage_active:
-            self.recovery.prepare_priority()
+            self.recovery.saves.prepare_priority()
         if out.rolled_back:
             return out
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
@@ -446,7 +446,7 @@ class Trainer:
         out = self.recovery.run_phase(step, "checkpoint", begin)
         if out.rolled_back:
             return out
-        self.recovery.on_checkpoint(step)
+        self.recovery.saves.on_checkpoint(step)
         state = self.state_dict(step)
         stats = ckpt.finish(step, state["dense"], {**state["run"], "namespace": self.namespace})
         self.out.log({"step": step, "checkpoint_pause_s": round(stats.pause_s, 4)})
@@ -475,12 +475,12 @@ class Trainer:
     def priority_save(self, step: int) -> None:
         """partial-mfu/ssu: each writer copies its shards' priority rows (no barrier: it is their only
         writer); a background thread writes them. A shard read that fails is seen at the next commit."""
-        self._row_save(step, "priority", self.recovery.save_priority, self.priority_pauses)
+        self._row_save(step, "priority", self.recovery.saves.save_priority, self.priority_pauses)
 
     def flush(self, step: int) -> None:
         """incremental: each writer copies its shards' rows dirtied since its last flush; a background
         thread writes them."""
-        self._row_save(step, "flush", self.recovery.flush, self.flush_pauses)
+        self._row_save(step, "flush", self.recovery.saves.flush, self.flush_pauses)
 
     def _row_save(self, step: int, what: str, save, pauses: list[float]) -> None:
         held = self.backend.store.held
@@ -546,7 +546,7 @@ class Trainer:
                     raise RuntimeError("a shard failed before the first checkpoint was taken")
                 self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
             return
-        self.recovery.suspend_flushes()  # rows dirtied before the restart are unknown
+        self.recovery.saves.suspend_flushes()  # rows dirtied before the restart are unknown
         out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)

@@ -497,7 +497,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
             mgr.count_updates(updated)
 
     steps(1, 3)
-    mgr.on_checkpoint(3)
+    mgr.saves.on_checkpoint(3)
     ckpt.save(3, {"x": __import__("torch").zeros(1)}, {"step": 3, "namespace": namespace})
     ckpt.wait()
     steps(4, 7)
@@ -638,13 +638,13 @@ def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_l
     mgr = make_manager("incremental", store, sh, ckpt, {}, flusher=flusher)
     rng = np.random.default_rng(5)
     train_steps(mgr, store, 1, 3, rng)
-    mgr.on_checkpoint(3)
+    mgr.saves.on_checkpoint(3)
     ckpt.save(3, {"x": __import__("torch").zeros(1)}, {"step": 3, "namespace": namespace})
     ckpt.wait()
     train_steps(mgr, store, 4, 5, rng)
-    assert mgr.flush(5) > 0
+    assert mgr.saves.flush(5) > 0
     train_steps(mgr, store, 6, 8, rng)
-    assert mgr.flush(8) > 0
+    assert mgr.saves.flush(8) > 0
     with store.from_redis():
         at_flush = all_rows(store)
     train_steps(mgr, store, 9, 10, rng)
