@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from recovery.accounting import UpdateCounter
 from recovery.manager import BackgroundWrites, RecoveryManager
 from recovery.protocol import CONTINUE, Outcome
+from recovery.saves import RowSaves
 
 
 class Recovery(Protocol):
@@ -26,11 +28,9 @@ class Recovery(Protocol):
     def commit_behind(self, now: int, reads: bool = False) -> Outcome: ...
     def apply(self, owned, step: int, only=None, behind: bool = False, durable=None) -> None: ...
     def count_updates(self, updated, step: int | None = None) -> None: ...
-    def on_checkpoint(self, step: int) -> None: ...
-    def flush(self, step: int) -> int: ...
-    def save_priority(self, step: int) -> int: ...
-    def prepare_priority(self) -> None: ...
-    def suspend_flushes(self) -> None: ...
+
+    saves: RowSaves  # priority saves, flushes, what a checkpoint closes
+
     def latest_shard_file(self, shard: int) -> Path | None: ...
     def wait_background(self) -> BackgroundWrites: ...
     def summary_failures(self) -> list[dict]: ...
@@ -48,6 +48,9 @@ class Recovery(Protocol):
 
 class NoRecovery:
     """The local baseline has no shards: store calls cannot fail, and nothing is recovered."""
+
+    def __init__(self) -> None:
+        self.saves = RowSaves(UpdateCounter(0), None, None, {})  # nothing to save: each call a no-op
 
     @property
     def failures(self) -> list[dict]:
@@ -75,21 +78,6 @@ class NoRecovery:
         raise TypeError("the local baseline has no tier to write rows to")
 
     def count_updates(self, updated, step: int | None = None) -> None:
-        pass
-
-    def on_checkpoint(self, step: int) -> None:
-        pass
-
-    def flush(self, step: int) -> int:
-        return 0
-
-    def save_priority(self, step: int) -> int:
-        return 0
-
-    def prepare_priority(self) -> None:
-        pass
-
-    def suspend_flushes(self) -> None:
         pass
 
     def latest_shard_file(self, shard: int) -> Path | None:
