@@ -43,19 +43,20 @@ def load_snapshot(store, shard: int, path) -> int:
     store._forget(shard)
     store._fit_listpack(shard)
     ns = store.key_namespace(shard)
+    head = f"{ns}:".encode()
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    seen: set[int] = set()
+    seen: set[int] = set()  # tables whose first bucket passed (one file: checked once, whichever way)
 
     def sample(key, kind, payload) -> None:
-        _check(key, kind, payload, f"{ns}:".encode(), ns, store.layout, widths, seen, str(path))
+        _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
 
     endpoint = store.endpoints[shard]
 
     def sync(then: str) -> int | None:
-        return load_by_sync(store, shard, path, f"{ns}:".encode(), sample, then)
+        return load_by_sync(store, shard, path, head, sample, then)
 
     def restore(then: str) -> int | None:
-        return _by_restore(store, shard, path, then)
+        return _by_restore(store, shard, path, head, sample, then)
 
     ways = [("the sync", sync, store.sync_refused), ("RESTORE", restore, store.restore_refused)]
     if getattr(store, "restores_together", 1) == 1:
@@ -79,18 +80,15 @@ def restoring_together(store, n: int) -> Iterator[None]:
         store.restores_together = before
 
 
-def _by_restore(store, shard: int, path, then: str) -> int | None:
-    """-> bytes sent, or None where the server refused the first ``RESTORE`` (noted, one line)."""
-    ns = store.key_namespace(shard)
-    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    head = f"{ns}:".encode()
+def _by_restore(store, shard: int, path, head: bytes, sample, then: str) -> int | None:
+    """-> bytes sent, or None where the server refused the first ``RESTORE`` (noted, one line).
+    ``sample(key, type, payload)``: each key's check before it is sent."""
     later: list[tuple[bytes, bytearray]] = []
-    seen: set[int] = set()
     sent = [0]
 
     def rows_first():
         for key, kind, payload in restore_payloads(path, head):
-            _check(key, kind, lambda p=payload: p, head, ns, store.layout, widths, seen, str(path))
+            sample(key, kind, lambda p=payload: p)
             sent[0] += len(payload) - 11
             if kind == 0:  # bookkeeping: after the rows
                 later.append((key, payload))
