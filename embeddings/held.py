@@ -35,6 +35,7 @@ import threading
 import numpy as np
 
 from embeddings import rowkeys
+from embeddings.held_restores import HeldRestores
 from embeddings.keyindex import KeyIndex
 from embeddings.tables import TableSet
 
@@ -120,7 +121,7 @@ class HeldRows:
         self.generation = 0  # bumped by clear(): what a read learned before it is void
         self.version = 0  # bumped by every change: a read of rows held at this version is still current
         self._lock = threading.RLock()
-        self._forgotten: dict[int, list[np.ndarray]] = {}  # per shard: slots held until ``clear`` forgot them
+        self.restores = HeldRestores(self)  # what a restore of a shard leaves of its rows
 
     # -- what is held --------------------------------------------------------------------------
     def holds_all(self) -> bool:
@@ -248,16 +249,6 @@ class HeldRows:
             self.hits += len(keys) - len(miss)
             self.lookups += len(keys)
             return rows
-
-    def shard_rows(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        """A copy of the rows held of ``shard`` (every shard's without an owner map): (packed keys,
-        rows [n, width]) in slot order."""
-        with self._lock:
-            sel = self._state == HELD
-            if self._owner_of is not None or self._owner_of_keys is not None:
-                sel &= self._owner == shard
-            pos = np.flatnonzero(sel)
-            return self._key[pos], np.take(self._rows, pos, axis=0)
 
     def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """A copy of the rows of packed keys, when every one is held (not counted as a read: the
@@ -479,96 +470,3 @@ class HeldRows:
                 new = slots < 0
                 n = int(new.sum())
                 self._admit(keys[new], None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
-
-    # -- restores ------------------------------------------------------------------------------
-    def clear(self, shard: int | None = None) -> None:
-        """Forget the rows of ``shard`` (None: of every shard); a read begun before learns nothing.
-        A row known never written stays so: a restore, a rollback or a promotion brings a shard back
-        to an earlier state of its own writes, where that row was not written either (a rollback
-        that writes a row's lazy-init value back leaves what the lazy init gives)."""
-        with self._lock:
-            self.generation += 1
-            self.version += 1
-            held = self._state == HELD
-            if shard is not None and self._owner_of is not None:
-                held &= self._owner == shard
-            self._state[held] = UNKNOWN
-            if shard is None or self._owner_of is None:
-                self._forgotten.clear()
-            else:  # merged when used (``_take_forgotten``): a restore clears a shard more than once
-                parts = self._forgotten.setdefault(shard, [])
-                parts.append(np.flatnonzero(held))
-                if len(parts) > 4:  # cleared again and again with no restore between: bounded
-                    parts[:] = [self._merged(parts)]
-
-    def reinstate(self, shard: int) -> int:
-        """The shard was restored to exactly what this writer had written to it (a log replay up to
-        its last step): the rows ``clear`` forgot are held again, with the values they had (a row
-        written or read since keeps its state). -> rows held again."""
-        with self._lock:
-            pos = self._take_forgotten(shard)
-            if not len(pos):
-                return 0
-            self.version += 1
-            self._state[pos] = HELD
-            return len(pos)
-
-    def restored(
-        self, shard: int, kept_upto: int, absent_after: int, overlay: tuple[np.ndarray, int] | None = None
-    ) -> tuple[int, int]:
-        """The shard was restored to its state as of step ``kept_upto`` (a checkpoint), plus rows of
-        later steps up to ``absent_after`` at most (a priority save, flushes, a log's records). Of the
-        rows ``clear`` forgot: one this writer last wrote at ``kept_upto`` or before has the value it
-        holds, so it is held again; one it first wrote after ``absent_after`` did not exist then, so
-        it is known never written; the rest stay unknown (read back). ``overlay``: (packed keys,
-        step) of the only rows written on top, with the values this writer held at that step (its
-        own priority save): those last written by then are held again too, and any other row first
-        written after ``kept_upto`` is known never written. -> (held again, now absent)."""
-        with self._lock:
-            pos = self._take_forgotten(shard)
-            if not len(pos):
-                return 0, 0
-            self.version += 1
-            first, last = self._first[pos], self._last[pos]
-            if overlay is None:
-                kept = pos[last <= kept_upto]
-                gone = pos[first > absent_after]
-            else:
-                keys, step = overlay
-                on_top = np.isin(self._key[pos], np.asarray(keys, np.int64))
-                kept = pos[(last <= kept_upto) | (on_top & (last <= step))]
-                gone = pos[(first > kept_upto) & ~on_top]
-            self._state[kept] = HELD
-            self._set_absent(gone)
-            return len(kept), len(gone)
-
-    def _take_forgotten(self, shard: int) -> np.ndarray:
-        """The slots ``clear`` forgot on ``shard`` that still hold its unknown rows (each once); forgets
-        the list."""
-        pos = self._merged(self._forgotten.pop(shard, []))
-        return pos[(self._state[pos] == UNKNOWN) & (self._owner[pos] == shard)]
-
-    def _merged(self, parts: list[np.ndarray]) -> np.ndarray:
-        """Sorted slots in any of ``parts`` (a row forgotten, held again and forgotten again is in two),
-        by a mark per slot: linear, where a sort of the slots is not."""
-        if len(parts) <= 1:
-            return parts[0] if parts else np.empty(0, np.int64)
-        mark = np.zeros(len(self._state), bool)
-        for p in parts:
-            mark[p] = True
-        return np.flatnonzero(mark)
-
-    def drop_forgotten(self, shard: int) -> None:
-        """The forgotten rows of ``shard`` are not to be held again (their shard went back to an
-        earlier state)."""
-        with self._lock:
-            self._forgotten.pop(shard, None)
-
-    def unknown(self, shard: int) -> dict[int, np.ndarray]:
-        """Table -> ids of ``shard``'s cached rows whose value is not known here (forgotten since held)."""
-        with self._lock:
-            mask = self._state == UNKNOWN
-            if self._owner_of is not None:
-                mask &= self._owner == shard
-            keys = np.sort(self._key[mask])
-        return {t: ids for t, (ids, _, _) in rowkeys.table_groups(keys).items()}

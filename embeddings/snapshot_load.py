@@ -41,7 +41,7 @@ def load_snapshot(store, shard: int, path) -> int:
     shards of one node restored together (``restoring_together``) by the sync first (this process
     then does little more than check the files, so N shards take little longer than one)."""
     store._forget(shard)
-    store._fit_listpack(shard)
+    store.writes.fit(shard)
     ns = store.key_namespace(shard)
     head = f"{ns}:".encode()
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
@@ -116,7 +116,7 @@ def _by_restore(store, shard: int, path, head: bytes, sample, then: str) -> int 
                 items.close()  # the file's mapping is let go of, whatever happened
             return sent[0]
 
-    return store._call(shard, run)
+    return store.links.mapped(shard, run)
 
 
 def _refuse(store, shard: int, why: str, then: str) -> None:
@@ -151,7 +151,7 @@ def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
     for t, (ids, values) in tables.items():
         rows = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
         for lo in range(0, len(ids), chunk_rows):
-            store.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
+            store.writes.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
         written += ids.nbytes + rows.nbytes
     if other:  # bookkeeping strings (and any other hash of the namespace, field by field)
         cmds = [[b"SET", k, v] if isinstance(v, bytes) else [b"HSET", k, *(x for p in v for x in p)] for k, v in other]
@@ -161,6 +161,6 @@ def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
             with store._locks[shard]:
                 return store._wires[shard].send_commands(cmds)
 
-        store._call(shard, run)
+        store.links.mapped(shard, run)
         written += sum(sum(len(x) for x in c[1:]) for c in cmds)
     return written

@@ -295,7 +295,7 @@ class Checkpointer:
                     if same and not isinstance(saves_before[same[0]], int):  # one fork per server (a cluster
                         saves_before[s] = same[0]  # node serves several logical shards): its file is shared
                         continue
-                    snap = self.store.snapshot(s, layout.shard_snapshot(path, s), self.snapshot_timeout_s)
+                    snap = self.store.snapshots.snapshot(s, layout.shard_snapshot(path, s), self.snapshot_timeout_s)
                     snap.start()  # returns once the server forked
                     saves_before[s] = snap
                 self.on_fork(s)

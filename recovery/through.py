@@ -148,14 +148,16 @@ class TrainThrough:
         store = self.store
         if store.outage is None:
             held = store.held
-            store.outage = OutageRows(store.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes)
+            store.outage = OutageRows(
+                store.reads.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes
+            )
             if held is not None:
                 store.outage.absent = lambda keys: held.state_of(keys) == ABSENT
             store.outage.on_kept = self._note_kept
         exact = self.strategy.replays_log
         for s in failed:
             keys, rows = (
-                store.held.shard_rows(s)
+                store.held.restores.shard_rows(s)
                 if s in self.mine and store.held is not None
                 else (np.empty(0, np.int64), np.empty((0, store.width(0)), np.float32))
             )
@@ -255,7 +257,7 @@ class TrainThrough:
         outage = self.store.outage
         counts = np.zeros(4 * n, np.float64)
         for s in shards:
-            self.store.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
+            self.store.links.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
             c = outage.counts.get(s)
             if c is not None:
                 counts[[s, n + s, 2 * n + s, 3 * n + s]] = (
@@ -320,7 +322,7 @@ class TrainThrough:
             order = np.argsort(every, kind="stable")
             every, values = every[order], np.concatenate([rows, vals])[order]
             groups = [(t, ids, values[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(every).items()]
-            store.write_shard(s, groups, step=step - 1)
+            store.writes.write_shard(s, groups, step=step - 1)
         except ShardUnavailableError as e:
             raise RecoveryError(
                 f"shard {s} at {store.endpoint(s)} failed again as it rejoined at step {step} ({e.reason}): "
@@ -329,9 +331,9 @@ class TrainThrough:
         held = store.held
         if held is not None and s in held.shards:
             if self.strategy.replays_log:
-                held.reinstate(s)  # exactly what this writer wrote before the failure
+                held.restores.reinstate(s)  # exactly what this writer wrote before the failure
             else:
-                held.drop_forgotten(s)
+                held.restores.drop_forgotten(s)
             if len(every):
                 held.put_keys(every, values, step - 1)
         if len(late) and s in self.writes.logs:

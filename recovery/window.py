@@ -37,7 +37,7 @@ class Window:
 
     def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
         """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new
-        rows are pinned in the held rows (``RedisStore.hold_written(pin=True)``) until ``take``."""
+        rows are pinned in the held rows (``RowWrites.hold_written(pin=True)``) until ``take``."""
         # membership by binary search in the sorted keys so far, and a merge: a window step costs
         # its own keys, not a sort of the whole window's (which needs them sorted and unique)
         if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():

@@ -130,7 +130,7 @@ class SparseWriter:
         if behind:
             self._hand_behind(owned, step, keys, current, new, shards, durable)
             return
-        failed = self.store.write_step(keys, new, shards, step, undo=current)
+        failed = self.store.writes.write_step(keys, new, shards, step, undo=current)
         for s in failed:
             self.detector.fail(s)
         if self.logs or self.replica_wait:
@@ -164,7 +164,7 @@ class SparseWriter:
                     self._logged(s, step)
                     log.append_keys(step, keys, new, shards)
         if self.window is not None:  # held now, written when the window closes
-            self.store.hold_written(keys, new, shards, step, pin=True)
+            self.store.writes.hold_written(keys, new, shards, step, pin=True)
             self.window.add(owned, step, keys, current)
             if self.window.closes_at(step):
                 self.write_window(before)
@@ -191,11 +191,11 @@ class SparseWriter:
 
     def _written(self, s: int, step: int, keys: np.ndarray, rows: np.ndarray) -> None:
         self.log_step(step, s, keys, rows)
-        if self.replica_wait and self.store.has_replica(s):
+        if self.replica_wait and self.store.links.has_replica(s):
             self._replicated(s)
 
     def _replicated(self, s: int) -> None:
-        self.detector.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
+        self.detector.guard(lambda: self.store.links.wait_replicated(s, int(1000 * self.store.timeout_s)))
 
     def _apply_by_shard(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
         for s in np.unique(shards).tolist():
@@ -272,7 +272,7 @@ class SparseWriter:
             self.redo_of.setdefault(s, []).extend(updates)
         if self.replica_wait:
             for s in np.unique(shards).tolist():
-                if s not in failed and self.store.has_replica(s):
+                if s not in failed and self.store.links.has_replica(s):
                     self._replicated(s)
 
     def on_failure_seen(self) -> None:
@@ -330,11 +330,11 @@ class SparseWriter:
         the rows it first wrote after the newest are known never written, and the rest are read back."""
         last = self.last_logged.get(s)
         if replays_log and last is not None and self.as_of.get(s, -1) >= last:
-            self.store.reinstate_held(s)
+            self.store.holding.reinstate_held(s)
             return
         base, newest = restored if restored is not None else (None, None)
         overlay = None
         if base is not None and newest > base and priority_saver is not None and not replays_log:
             keys = priority_saver.exact_rows(s, newest)  # the save overlaid is this writer's newest
             overlay = (keys, newest) if keys is not None else None
-        self.detector.guard(lambda: self.store.reload_held(s, base, newest, overlay))
+        self.detector.guard(lambda: self.store.holding.reload_held(s, base, newest, overlay))

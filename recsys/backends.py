@@ -152,7 +152,7 @@ class StoreBackend(Backend):
         self.cfg = cfg
         self.world_size, self.rank = world_size, rank
         self.store = open_store(cfg, urls, namespace)
-        self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
+        self.store.evictions.watch()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
             self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
@@ -226,7 +226,7 @@ class StoreBackend(Backend):
 
     def fresh_start(self) -> None:
         """A new run: the rows of this trainer's shards are known absent until it writes them."""
-        self.store.assume_fresh()
+        self.store.holding.assume_fresh()
 
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""

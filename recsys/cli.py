@@ -7,8 +7,10 @@ config or its inputs print one line and exit with status 2, before anything star
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -394,6 +396,9 @@ def _allow_fork() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from recsys import api
+
+    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     out = None
     try:

@@ -17,6 +17,7 @@ Under the launcher (``python -m recsys train --trainers W``) or ``torchrun`` eve
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import logging
 import multiprocessing
@@ -696,6 +697,8 @@ def _default_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: int, world: int, claim: dict) -> str:

@@ -86,7 +86,7 @@ def rebuild(cfg, store, ckpt, steps: int, restores: dict | None = None) -> dict[
 
     tables = {}
     for t, spec in enumerate(store.tables.specs):
-        tables[t] = store.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
+        tables[t] = store.reads.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
     for s in range(store.num_shards):
         base, after = (ckpt, ckpt.step if ckpt is not None else 0)

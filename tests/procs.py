@@ -7,6 +7,7 @@ with ``RECSYS_TEST_EXEC=1`` set, runs in a fresh interpreter instead."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -152,20 +153,68 @@ def start(args: list[str], cwd: Path = ROOT, stdout: Any = subprocess.PIPE, stde
     return Proc(args, cwd, _stream(stdout), _stream(stderr))
 
 
+def _python_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants that run Python (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            if b"python" in Path(f"/proc/{p}/cmdline").read_bytes():
+                out.append(p)
+        except OSError:
+            continue
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _dump_stacks(pid: int) -> None:
+    """A run that outlived its test's timeout: each of its Python processes writes every thread's
+    stack to its stderr (``kill -USR1``, which the CLI and the trainers answer), read below."""
+    for p in _python_tree(pid):
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGUSR1)
+    time.sleep(2.0)
+
+
+def _report(args: list[str], err: str) -> None:
+    tail = "\n".join(err.splitlines()[-300:])
+    print(f"{' '.join(args)} outlived its timeout; its stderr ends:\n{tail}", file=sys.stderr)
+
+
 def run(
     args: list[str], cwd: Path = ROOT, timeout: float | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``python ARGS`` run to its end, its output captured as text."""
+    """``python ARGS`` run to its end, its output captured as text. One that outlives ``timeout``
+    has every thread's stack of its Python processes printed (with its stderr) before it is killed."""
     if env is not None or _fresh():
-        return subprocess.run(
-            [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
-        )
+        with subprocess.Popen(
+            [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        ) as p:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _dump_stacks(p.pid)
+                p.kill()
+                out, err = p.communicate()
+                _report(args, err)
+                raise
+            return subprocess.CompletedProcess(p.args, p.returncode, out, err)
     proc = start(args, cwd)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        _dump_stacks(proc.pid)
         proc.kill()
         proc.wait()
+        _report(args, proc.stderr.read())
         raise
     return subprocess.CompletedProcess([sys.executable, *args], proc.returncode, proc.stdout.read(), proc.stderr.read())

@@ -41,7 +41,7 @@ def test_apply_keys_with_held_rows_equals_per_table_updates(shards3, namespace):
         RedisStore(shards3.urls, TABLES, opt, namespace=namespace + "-ref") as ref,
     ):
         fast.hold_rows({0, 1, 2}, 1 << 30)
-        fast.assume_fresh()
+        fast.holding.assume_fresh()
         for step in range(1, 6):
             keys = random_keys(rng)
             grads = torch.from_numpy(rng.standard_normal((len(keys), 8)).astype(np.float32))
@@ -59,7 +59,7 @@ def test_apply_keys_with_held_rows_equals_per_table_updates(shards3, namespace):
             on = [
                 sorted(
                     k.split(b":", 1)[1]
-                    for k in st.client(s).scan_iter(match=st._match(s), count=1000)
+                    for k in st.links.client(s).scan_iter(match=st.snapshots.match(s), count=1000)
                     if b":meta:" not in k  # the step's applied marker and undo record: only the fast path's
                 )
                 for st in (fast, ref)
@@ -117,7 +117,7 @@ def test_a_window_write_is_named_for_the_step_after_each_shards_marker_and_rolls
         from embeddings.redis_store import decode_groups
 
         for s in range(3):
-            assert decode_groups(st._locked_get(s, st.meta_key("undo", s)))[0] == 3  # marker 2, then 3-5
+            assert decode_groups(st.links.locked_get(s, st.meta_key("undo", s)))[0] == 3  # marker 2, then 3-5
         with pytest.raises(ShardDataError, match="undo record is for step 3"):
             st.rollback(0, 4)
         assert sum(st.rollback(s, 2) for s in range(3)) == len(keys)

@@ -192,7 +192,7 @@ def test_an_undo_record_that_starts_like_an_error_reply_reads_back(namespace):
         st.write_rows("t", keys & rowkeys.ROW_MASK, crlf)  # the rows step 45's undo record keeps
         before = st.read_keys(keys)
         st.apply_keys(keys, torch.ones((len(keys), 16)), step=45)
-        assert st._locked_get(0, st.meta_key("undo", 0))[:1] == b"-"
+        assert st.links.locked_get(0, st.meta_key("undo", 0))[:1] == b"-"
         assert st.rollback(0, 44) == len(keys)
         np.testing.assert_array_equal(st.read_keys(keys), before)
 
@@ -235,7 +235,7 @@ def test_a_snapshot_loads_into_a_fresh_server_and_through_the_reader_with_the_sa
         src.write_rows("a", np.arange(0, 30), np.full((30, 17), -1.5, np.float32))  # still a listpack
         encodings = {c0.object("encoding", src.key(t, 5)) for t in range(3)}
         assert encodings == {b"listpack", b"hashtable"}
-        src.write_shard(0, [(0, np.array([7]), np.full((1, 17), 3.0, np.float32))], step=12)
+        src.writes.write_shard(0, [(0, np.array([7]), np.full((1, 17), 3.0, np.float32))], step=12)
         odd_key = f"{namespace}:extra".encode()
         odd = _odd_hash(c0, odd_key)
         want = every_row(src)
@@ -254,7 +254,7 @@ def test_a_snapshot_loads_into_a_fresh_server_and_through_the_reader_with_the_sa
 
         # (b) over the network, parsed by the RDB reader, written back over the protocol
         net = tmp_path / "net.rdb"
-        snap = src.snapshot(0, net)
+        snap = src.snapshots.snapshot(0, net)
         snap.start()
         snap.finish()
         assert isinstance(snap, NetworkSnapshot)
@@ -267,7 +267,7 @@ def test_a_snapshot_loads_into_a_fresh_server_and_through_the_reader_with_the_sa
             got = np.frombuffer(values, "<f4").reshape(len(ids), -1)
             np.testing.assert_array_equal(got.view(np.uint32), want[name][ids].view(np.uint32))
         c1.flushall()
-        loaded.reconnect(0)
+        loaded.links.reconnect(0)
         assert loaded.load_snapshot(0, net) > 0
         for name, rows in every_row(loaded).items():
             np.testing.assert_array_equal(rows.view(np.uint32), want[name].view(np.uint32))
@@ -344,7 +344,7 @@ def test_a_restore_from_a_network_snapshot_and_a_replay_is_exact(namespace, tmp_
             new = st.apply_keys(keys, grads, step)
             ref.apply_keys(keys, grads, step)
             if step == 2:
-                snap = st.snapshot(1, tmp_path / "s1.rdb")
+                snap = st.snapshots.snapshot(1, tmp_path / "s1.rdb")
                 snap.start()
                 snap.finish()
             elif step > 2:
@@ -352,11 +352,11 @@ def test_a_restore_from_a_network_snapshot_and_a_replay_is_exact(namespace, tmp_
                 later.append(
                     (step, [(t, ids, new[on1][lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys[on1]).items()])
                 )
-        assert st.clear_shard(1) > 0
+        assert st.snapshots.clear_shard(1) > 0
         st.load_snapshot(1, tmp_path / "s1.rdb")
         assert st.applied_step(1) == 2
         for step, groups in later:
-            st.write_shard(1, groups, step)
+            st.writes.write_shard(1, groups, step)
         assert st.applied_steps() == [4, 4, 4]
         want, got = every_row(ref), every_row(st)
         for name in want:

@@ -283,7 +283,7 @@ def held_shard_restored(rig, namespace, strategy: str, seed: int):
     before the kill)."""
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)
-    store.assume_fresh()
+    store.holding.assume_fresh()
     mgr = make_manager(strategy, store, sh, ckpt, logs)
     rng = np.random.default_rng(seed)
     train_steps(mgr, store, 1, 4, rng)
@@ -312,7 +312,7 @@ def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, na
     _, store, _, kept = held_shard_restored(rig, namespace, "partial", 4)
     assert store.held.generation > kept and store.reload_s > 0
     assert min(store.reload_kept, store.reload_absent, store.reload_read) > 0, vars(store)
-    assert all(store.held.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
+    assert all(store.held.restores.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
     held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], tier[t.name])
@@ -322,7 +322,7 @@ def test_a_log_replay_to_the_writers_last_step_keeps_its_held_rows_without_a_rea
     """A log replay brings the shard back to exactly what its writer wrote: the rows it held there
     are held again with no read from Redis, and equal what the shard now holds."""
     mgr, store, before, _ = held_shard_restored(rig, namespace, "log", 5)
-    assert store.reload_s == 0 and all(store.held.unknown(s) == {} for s in range(3))
+    assert store.reload_s == 0 and all(store.held.restores.unknown(s) == {} for s in range(3))
     held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], before[t.name])
@@ -340,7 +340,7 @@ def test_a_write_behind_that_failed_but_reached_the_log_is_not_redone(rig, names
     up to that step, so the write is not redone on it (redone, its update would be applied twice)."""
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)
-    store.assume_fresh()
+    store.holding.assume_fresh()
     mgr = make_manager("log", store, sh, ckpt, logs, write_behind=True)
     rng = np.random.default_rng(3)
 
@@ -467,7 +467,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
     store.hold_rows({0, 1, 2}, 1 << 30)  # the writer of every shard, as one trainer is
-    store.assume_fresh()
+    store.holding.assume_fresh()
     ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store, run=namespace)
     saver = None
     if strategy != "partial":

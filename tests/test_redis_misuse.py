@@ -141,7 +141,7 @@ def test_the_store_stops_on_evictions_and_on_a_policy_switched_to_one_that_evict
     servers = redis_servers(1, extra=("--maxmemory-policy", "volatile-lru"))
     admin = redis.Redis(port=servers.ports[0])
     with RedisStore(servers.urls, TABLES, SGD(), namespace="ev") as store:
-        store.watch_evictions()
+        store.evictions.watch()
         _write(store, 2000, step=7)
         # another tenant's keys with a TTL, evicted under volatile-lru: none of the run's rows
         admin.set("other:x", b"x" * 400_000, ex=3600)
@@ -170,8 +170,8 @@ def test_a_server_replaced_since_gets_a_new_baseline_and_its_policy_checked(redi
     servers = redis_servers(1)
     admin = redis.Redis(port=servers.ports[0])
     with RedisStore(servers.urls, TABLES, SGD(), namespace="ev") as store:
-        store.watch_evictions()
-        store._evictions[0] = ("an earlier server", 0)  # as after a restore: another run_id
+        store.evictions.watch()
+        store.evictions.noted[0] = ("an earlier server", 0)  # as after a restore: another run_id
         admin.config_set("maxmemory-policy", "allkeys-random")
         with pytest.raises(EndpointError, match=r"maxmemory-policy allkeys-random evicts keys without a TTL"):
             store.check_evictions()

@@ -30,7 +30,7 @@ def fill(store: RedisStore, rng, zeros: bool = True) -> dict[str, np.ndarray]:
         if zeros:
             rows[::7] = np.float32(-0.0)  # bit patterns survive, not just values (and LZF-compressed buckets)
         store.write_rows(t.name, ids, rows)
-    store.write_shard(0, [], step=31)
+    store.writes.write_shard(0, [], step=31)
     return every_row(store)
 
 
@@ -106,7 +106,7 @@ def test_a_server_that_refuses_restore_falls_back_with_one_line_and_the_rows_sta
         for name in want:
             np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
         assert dst.applied_step(0) == 31
-        dst.clear_shard(0)
+        dst.snapshots.clear_shard(0)
         dst.load_snapshot(0, path)  # the refusals are remembered: no second probe, no second line
         assert len(lines) == 2 and every_row(dst)["c"].tobytes() == want["c"].tobytes()
         src.close()

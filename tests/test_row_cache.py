@@ -76,10 +76,10 @@ def test_a_cleared_shard_is_read_back_and_an_evicted_forgotten_row_is_not_claime
     held = HeldRows(specs, [4], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) % 2).astype(np.int16))
     keys = pack(0, np.arange(100))
     held.put_keys(keys, np.ones((100, 4), np.float32), step=3)
-    held.clear(1)
-    unknown = held.unknown(1)[0]
+    held.restores.clear(1)
+    unknown = held.restores.unknown(1)[0]
     np.testing.assert_array_equal(unknown, np.arange(1, 100, 2))  # shard 1's rows, to read back
-    assert held.reinstate(1) == 50 and held.unknown(1) == {}
+    assert held.restores.reinstate(1) == 50 and held.restores.unknown(1) == {}
 
 
 def test_a_window_writes_each_row_once_as_of_its_last_step_with_its_value_before_the_window():

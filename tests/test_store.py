@@ -237,14 +237,14 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
     held.put_keys(pack(0, np.r_[early, both]), np.ones((20, 2), np.float32), step=2)
     held.put_keys(pack(0, np.r_[late, both]), np.full((20, 2), 2, np.float32), step=6)
     held.put_keys(pack(0, np.arange(60, 70)), np.ones((10, 2), np.float32), step=6)  # shard 1: untouched
-    held.clear(0)
+    held.restores.clear(0)
     held.put_keys(pack(0, early[:3]), np.ones((3, 2), np.float32), step=2)  # held again, then forgotten again
-    held.clear(0)
-    assert held.restored(0, kept_upto=4, absent_after=5) == (10, 10)
+    held.restores.clear(0)
+    assert held.restores.restored(0, kept_upto=4, absent_after=5) == (10, 10)
     state = held.state_of(pack(0, np.arange(100)))  # per row id
     assert (state[early] == HELD).all() and (state[late] == ABSENT).all() and (state[both] == UNKNOWN).all()
     assert (state[60:70] == HELD).all() and (state[70:] == ABSENT).all()
-    assert set(held.unknown(0)[0].tolist()) == set(both.tolist()) and held.restored(0, 4, 5) == (0, 0)
+    assert set(held.restores.unknown(0)[0].tolist()) == set(both.tolist()) and held.restores.restored(0, 4, 5) == (0, 0)
 
 
 def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
