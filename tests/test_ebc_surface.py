@@ -384,3 +384,17 @@ def test_built_on_meta_then_to_empty_on_the_host_reads_its_store_as_torchrecs_re
     bare = StoreEmbeddingBagCollection(MIXED(), None, device="meta").to_empty(device="cpu")
     with pytest.raises(ValueError, match="built on device='meta' without a store has no rows to read"):
         bare(kjt)
+
+
+def test_a_dlrm_with_no_sparse_features_is_refused_as_torchrecs_is():
+    """torchrec's ``DLRM`` takes no collection of zero tables (its pairwise interaction needs a
+    sparse feature); the store refuses a run of no tables in one line before any server is touched."""
+    with pytest.raises(AssertionError, match="At least one embedding bag is required"):
+        DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables=[], device=torch.device("cpu")),
+            dense_in_features=3,
+            dense_arch_layer_sizes=[8],
+            over_arch_layer_sizes=[4, 1],
+        )
+    with pytest.raises(ValueError, match="at least one table is required"):
+        TableSet([])
