@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from embeddings.errors import ShardUnavailableError
 from embeddings.held import HeldRows
 
 
@@ -34,11 +35,20 @@ class Holding:
 
     def assume_fresh(self) -> None:
         """A fresh run: the held shards that never applied a step hold none of its rows yet, so a row
-        of theirs this writer has not written is known absent (no first read from Redis)."""
+        of theirs this writer has not written is known absent (no first read from Redis). A shard
+        that does not answer now is assumed nothing of: its rows are read from it (the recovery
+        protocol meets its failure at the first such read), as another rank may already be in a
+        phase that killed it."""
         st = self.store
         if st.held is None:
             return
-        fresh = {s for s in st.held.shards if st.applied_step(s) is None}
+        fresh = set()
+        for s in sorted(st.held.shards):
+            try:
+                if st.applied_step(s) is None:
+                    fresh.add(s)
+            except ShardUnavailableError:
+                continue
         if fresh:
             st.held.assume_fresh(fresh)
 

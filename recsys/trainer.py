@@ -730,6 +730,9 @@ def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: in
     return said[0]
 
 
+_ENDED: list = []  # the trainers of this process, never freed before it exits (see worker_main)
+
+
 def worker_main(
     cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None, claim: dict | None = None
 ) -> dict | None:
@@ -751,6 +754,11 @@ def worker_main(
         if claim is not None:
             namespace = torchrun_namespace(cfg, urls, namespace, rank, world_size, claim)
         trainer = Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
+        # kept until the process ends: freed here, DDP's reducer would destroy the gloo group with the
+        # GIL held while a gloo thread, done with the step's last allreduce, waits for the GIL to free
+        # its tensors under the lock the destructor waits for (a deadlock seen at the end of runs)
+        if world_size > 1:
+            _ENDED.append(trainer)
         profile = os.environ.get("RECSYS_PROFILE")  # developers: cProfile of the training, per rank
         if not profile:
             return trainer.train()

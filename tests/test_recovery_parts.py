@@ -277,6 +277,16 @@ def test_log_recovery_replays_to_the_exact_rows(rig, namespace):
     assert mgr.failures[0]["lost_updates"] == 0 and store.applied_steps()[2] == 8
 
 
+def test_a_fresh_start_assumes_nothing_of_a_shard_that_is_already_dead(rig):
+    """Another rank may already be in a phase that killed a shard when this one starts: its fresh
+    start knows the live shards empty and leaves the dead one to be read (and recovered)."""
+    sh, store, _, _ = rig
+    store.hold_rows({0, 1, 2}, 1 << 20)
+    sh.kill(1)
+    store.holding.assume_fresh()
+    assert store.held._fresh == {0, 2}
+
+
 def held_shard_restored(rig, namespace, strategy: str, seed: int):
     """A writer holding every shard's rows trains 7 steps (a checkpoint at 4), then shard 1 is killed
     and restored under ``strategy``. -> (manager, store, every row before the kill, held generation
