@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import anycrc
 import numpy as np
 import redis
 
 from embeddings.buckets import KEY_ID_BYTES, BucketLayout
+from embeddings.crc64 import CRC64, crc64
 from embeddings.errors import EmbeddingStoreError, ShardDataError, ShardUnavailableError
 
 # a failed write of the snapshot file (not of the socket): the disk's fault, raised as is
@@ -376,7 +376,6 @@ def _walk(r: _Reader) -> Iterator[tuple[int, bytes]]:
 
 
 # -- serialized values, as RESTORE takes them ----------------------------------------------------
-CRC64 = anycrc.Model("CRC64-REDIS")  # Redis's CRC-64 (Jones): DUMP payloads and RDB files end with it
 
 
 def _check_sum(r: _Reader) -> bool:
@@ -388,7 +387,7 @@ def _check_sum(r: _Reader) -> bool:
     stored = struct.unpack_from("<Q", r.buf, n - 8)[0]
     if stored == 0:
         return False
-    got = CRC64.calc(r.buf[: n - 8])
+    got = crc64(r.buf[: n - 8])  # on every core, without the GIL
     if got != stored:
         raise ShardDataError(
             f"snapshot {r.source}: its bytes do not match its checksum ({got:#018x}, the file says {stored:#018x}): "
@@ -506,22 +505,29 @@ def _payload(op: int, buf, start: int, end: int, footer: bytes) -> bytearray:
 
 def _buckets(r: _Reader, prefix: bytes) -> Iterator[tuple[bytes, int, int, int]]:
     """``_spans``' common case, read inline: the keys that follow while they are uncompressed
-    listpack hashes of ``prefix`` with short keys and values under 16 KiB (a row bucket); anything
-    else is left to the generic reader."""
+    listpack hashes of ``prefix`` with short keys (a row bucket, its length in 14 or 32 bits);
+    anything else is left to the generic reader."""
     buf, size = r.buf, len(r.buf)
     while True:
         p = r.pos
         if p + 2 > size or buf[p] != _HASH_LISTPACK or buf[p + 1] >= 64:
             return
         at = p + 2 + buf[p + 1]  # the value's length
-        if at + 2 > size or buf[at] >> 6 != 1:
+        if at + 5 > size:
             return
-        n = ((buf[at] & 0x3F) << 8) | buf[at + 1]
-        end = at + 2 + n
+        head = buf[at]
+        if head >> 6 == 1:
+            n, start = ((head & 0x3F) << 8) | buf[at + 1], at + 2
+        elif head == 0x80:
+            n, start = int.from_bytes(buf[at + 1 : at + 5], "big"), at + 5
+        else:
+            return
+        end = start + n
         key = bytes(buf[p + 2 : at])
         if end > size or not key.startswith(prefix):
             return
-        _frame(r, key, at + 2, n)
+        if n < 7 or buf[end - 1] != 0xFF or int.from_bytes(buf[start : start + 4], "little") != n:
+            _frame(r, key, start, n)  # says which, in one line
         r.pos = end
         yield key, _HASH_LISTPACK, at, end
 
