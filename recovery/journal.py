@@ -35,12 +35,13 @@ class Journal:
 
     def record(self, rec: dict) -> None:
         """A failure record, durable at once (a restart that follows must not lose it), and its one
-        line on the terminal (rank 0; a trainer's death has had its line from the launcher)."""
+        line on the terminal (rank 0 of a run, which has a folder; a trainer's death has had its line
+        from the launcher; a manager without a folder, as the benchmarks drive one, prints none)."""
         self.failures.append(rec)
         if self.run_dir is not None and self.rank == 0:
             append_line(layout.failures_file(self.run_dir), rec)
-        if self.rank == 0 and rec.get("strategy") != "restart":
-            self.say(failure_line(rec))
+            if rec.get("strategy") != "restart":
+                self.say(failure_line(rec))
 
     @staticmethod
     def say(line: str) -> None:

@@ -175,13 +175,23 @@ def _python_tree(pid: int) -> list[int]:
     return out
 
 
-def _dump_stacks(pid: int) -> None:
+def _dump_stacks(pid: int) -> list[int]:
     """A run that outlived its test's timeout: each of its Python processes writes every thread's
-    stack to its stderr (``kill -USR1``, which the CLI and the trainers answer), read below."""
-    for p in _python_tree(pid):
+    stack to its stderr (``kill -USR1``, which the CLI and the trainers answer), read below; -> those
+    processes, for ``_kill_all``."""
+    tree = _python_tree(pid)
+    for p in tree:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGUSR1)
     time.sleep(2.0)
+    return tree
+
+
+def _kill_all(pids: list[int]) -> None:
+    """The run's processes killed, its trainers too: killed alone, the CLI would leave them running."""
+    for p in pids:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _report(args: list[str], err: str) -> None:
@@ -201,7 +211,7 @@ def run(
             try:
                 out, err = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _dump_stacks(p.pid)
+                _kill_all(_dump_stacks(p.pid))
                 p.kill()
                 out, err = p.communicate()
                 _report(args, err)
@@ -212,8 +222,9 @@ def run(
     try:
         proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        _dump_stacks(proc.pid)
+        tree = _dump_stacks(proc.pid)
         proc.kill()
+        _kill_all(tree)
         proc.wait()
         _report(args, proc.stderr.read())
         raise
