@@ -461,6 +461,9 @@ def measure(args) -> tuple[list, list, list]:
                     out = Path(tmp) / f"redis-{s}-{w}-{prefetch}"
                     summary = run(config(args, out, "redis", s, prefetch, w))
                     label = "on" if prefetch else "off"
+                    cache = summary.get("row_cache") or {}
+                    if prefetch and w == 1 and cache.get("capacity_rows", 0) >= cache.get("table_rows", 1):
+                        label = "on (turned off: the trainer holds every row)"  # recsys/backends.py
                     rows.append(
                         (
                             "redis tier",
