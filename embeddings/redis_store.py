@@ -35,13 +35,13 @@ from embeddings.markers import Markers, decode_groups, encode_groups
 from embeddings.optim import RowOptimizer
 from embeddings.outage import OutageRows
 from embeddings.row_reads import RowReads
-from embeddings.row_writes import BEHIND, RowWrites
+from embeddings.row_writes import RowWrites
 from embeddings.shard_map import ShardMap
 from embeddings.snapshots import Snapshots
 from embeddings.store import IdsByTable, StoreBase
 from embeddings.tables import TableSet
 
-__all__ = ["BEHIND", "RedisStore", "decode_groups", "encode_groups"]
+__all__ = ["RedisStore", "decode_groups", "encode_groups"]  # the undo record codec, as before the split
 
 T = TypeVar("T")
 

@@ -34,7 +34,10 @@ class RowWrites:
         self.future: Future | None = None  # write_behind in flight (its commit point: join_behind)
 
     def fit(self, shard: int) -> None:
-        """The shard's listpack limits raised before its first row write (``ShardLinks.fit_listpack``)."""
+        """The shard's listpack limits raised before its first row write (``ShardLinks.fit_listpack``);
+        on every write after it, one list look-up."""
+        if self.links.listpack_ok[shard]:
+            return
         st = self.store
         widths = [4 * st.width(t) for t in range(len(st.tables.specs))]
         self.links.fit_listpack(shard, widths, st.warn)
