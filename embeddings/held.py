@@ -50,6 +50,7 @@ def put_rows(dst: np.ndarray, at: np.ndarray, rows: np.ndarray) -> None:
 
 
 FREE, UNKNOWN, HELD, ABSENT = 0, 1, 2, 3  # ABSENT: read as never written; only its writer could write it
+PREFILL_ROWS = 1 << 18  # rows initialised at a time by a fresh run's prefill (``HeldRows._prefill``)
 NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never assumed older than a restore
 # bytes a slot costs beside its row: key 8, first/last write steps 8, touched 4, free list 4, state,
 # owner, reads and pin 5, and 2 to 4 index buckets of 4 bytes
@@ -75,6 +76,7 @@ class HeldRows:
         state). ``num_shards``: the store's (this writer writes every shard: no owner needed to tell a
         fresh shard's row)."""
         self.shards = set(shards)
+        self._tables = tables
         self._every_shard = num_shards is not None and self.shards >= set(range(num_shards))
         self._init = init
         self._owner_of = owner_of
@@ -85,6 +87,7 @@ class HeldRows:
         self.table_rows = int(num_rows[self._held].sum())
         # per held table, where its rows start in the one-bit-per-row map of a fresh run's writes
         self._base = np.concatenate([[0], np.cumsum(np.where(self._held, num_rows, 0))])[:-1]
+        self._key_offset = self._base - (np.arange(len(num_rows), dtype=np.int64) << rowkeys.ROW_BITS)
         slot_bytes = self.width * 4 + SLOT_OVERHEAD
         self.capacity = int(min(self.table_rows, budget_bytes // slot_bytes))
         c = self.capacity
@@ -166,14 +169,17 @@ class HeldRows:
         return slots
 
     def _flat(self, keys: np.ndarray) -> np.ndarray:
-        tables, ids = rowkeys.unpack(keys)
-        return self._base[tables] + ids
+        """Each key's position among the held tables' rows: ``base[table] + id``, as key + offset."""
+        return keys + self._key_offset[keys >> rowkeys.ROW_BITS]
 
     def _states(self, slots: np.ndarray) -> np.ndarray:
         return np.where(slots >= 0, self._state[np.maximum(slots, 0)], FREE)
 
     def _read(self, slots: np.ndarray) -> None:
-        """Slots just read: one more read each (saturating), touched in this step."""
+        """Slots just read: one more read each (saturating), touched in this step. (Every row fits:
+        nothing is ever evicted, so nothing is counted.)"""
+        if self._direct:
+            return
         r = self._reads[slots]
         self._reads[slots] = r + (r < 255)
         self._touched[slots] = self.epoch
@@ -296,7 +302,8 @@ class HeldRows:
                     self._first[s[fresh]] = np.where(state[fresh] == ABSENT, step, -1)
                 self._last[s] = step
             self._state[s] = HELD
-            self._touched[s] = self.epoch
+            if not self._direct:
+                self._touched[s] = self.epoch
             if pin:
                 self._pinned[s] = True
             new = np.flatnonzero(slots < 0)
@@ -458,6 +465,22 @@ class HeldRows:
             self._fresh = set(shards)
             if self._written is None:
                 self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
+            if self._direct and self._init is not None and self._every_shard and self._fresh >= self.shards:
+                self._prefill()
+
+    def _prefill(self) -> None:
+        """Every row fits and none was ever written (a fresh run whose every shard this writer
+        writes): each free slot takes its row's initial value now, known never written, as an engine
+        that allocates its tables initialises them, so that no step computes a row's initial value
+        on its path (under ``_lock``)."""
+        num_rows = [spec.num_rows for spec in self._tables.specs]
+        for t in np.flatnonzero(self._held).tolist():
+            for lo in range(0, num_rows[t], PREFILL_ROWS):
+                ids = np.arange(lo, min(num_rows[t], lo + PREFILL_ROWS), dtype=np.int64)
+                free = self._state[self._base[t] + ids] == FREE
+                keys = rowkeys.pack(t, ids if free.all() else ids[free])
+                n = len(keys)
+                self._admit(keys, None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written, held as such (with their initial values) while they fit."""

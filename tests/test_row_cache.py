@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from embeddings.held import HELD, HeldRows
+from embeddings.held import ABSENT, HELD, HeldRows
 from embeddings.keyindex import KeyIndex
 from embeddings.rowkeys import pack
 from embeddings.tables import TableSet, TableSpec
@@ -109,3 +109,35 @@ def test_a_window_writes_each_row_once_as_of_its_last_step_with_its_value_before
         np.testing.assert_array_equal(now, np.stack([rows[k] for k in want]))
         np.testing.assert_array_equal(undo, np.stack([before_window[k] for k in want]))
         assert [s for _, s in updates] == list(range(4 * w + 1, 4 * w + 5)) and not window.open
+
+
+def test_a_fresh_cache_that_fits_every_row_holds_each_at_its_initial_value_before_the_first_step():
+    specs = TableSet([TableSpec("a", 3000, 3), TableSpec("b", 700, 3)])
+
+    def init(keys):  # a pure function of the key, as the lazy init is
+        return np.repeat((keys % 1009).astype(np.float32)[:, None], 4, axis=1)
+
+    def fresh(budget):
+        held = HeldRows(specs, [4, 4], {0, 1}, budget, init=init, num_shards=2)
+        held.put_keys(pack(1, np.array([5, 6])), np.full((2, 4), 7.0, np.float32), step=1)  # written before
+        held.assume_fresh({0, 1})
+        return held
+
+    every = fresh(1 << 20)
+    assert every.holds_everything() and every.used == 3700  # every row in its slot, none computed on a step
+    keys = np.concatenate([pack(0, np.arange(3000)), pack(1, np.arange(700))])
+    written = np.isin(keys, pack(1, np.array([5, 6])))
+    state = every.state_of(keys)
+    assert (state[written] == HELD).all() and (state[~written] == ABSENT).all()  # known never written
+    rows = every.read_keys(keys)
+    want = init(keys)
+    want[3005:3007] = 7.0  # the rows written before the fresh start keep their values
+    np.testing.assert_array_equal(rows, want)
+    assert every.hits == 3700 and every.lookups == 3700  # each one held: no initial value computed now
+    every.put_keys(pack(0, np.array([9])), np.zeros((1, 4), np.float32), step=2)
+    assert every.state_of(pack(0, np.array([9, 10]))).tolist() == [HELD, ABSENT]
+
+    bounded = fresh(3000 * (4 * 4 + 45))  # not every row fits: nothing is computed ahead
+    assert not bounded.holds_everything() and bounded.used == 2
+    np.testing.assert_array_equal(bounded.read_keys(keys), want)  # the same rows, by the lazy init
+    assert bounded.hits == 2
