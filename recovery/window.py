@@ -17,6 +17,11 @@ import numpy as np
 from embeddings.held import HeldRows
 
 
+def closes_window(step: int, every: int) -> bool:
+    """Whether a window of ``every`` steps closes at ``step``: its multiples, and step 1."""
+    return step % every == 0 or step == 1
+
+
 class Window:
     def __init__(self, held: HeldRows, every: int) -> None:
         if every < 2:
@@ -33,7 +38,9 @@ class Window:
         return bool(self.updates)
 
     def closes_at(self, step: int) -> bool:
-        return step % self.every == 0
+        """Every ``every`` steps, and at step 1: a run has a restart point (its dense state) from its
+        first step on, as with a write every step."""
+        return closes_window(step, self.every)
 
     def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
         """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new

@@ -84,7 +84,8 @@ def _config(args, out: Path, strategy: str, injections: list[str], checkpoint_ev
     d = {
         "data": {"data": args.data, "rows_per_table": args.rows_per_table, "eval_samples": args.eval_samples},
         "model": {"embedding_dim": args.embedding_dim},
-        "embeddings": {"shards": args.shards},
+        # every step's rows on their shards: each strategy meets a failure at its step and its loss shows
+        "embeddings": {"shards": args.shards, "write_every": 1},
         "optim": {"optimizer": args.optimizer, "lr": args.lr},
         "train": {
             "steps": args.steps,

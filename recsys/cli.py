@@ -100,7 +100,8 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "embeddings",
         "write_every",
         int,
-        "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step)",
+        "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step; "
+        "default 0: 16 with one trainer writing behind and no --train-through, else 1)",
     ),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
     "--optimizer": (

@@ -17,6 +17,7 @@ from embeddings.cluster import seed_urls
 from recovery import layout
 
 NUM_TABLES = 26  # Criteo's categorical features, one table each
+AUTO_WINDOW = 16  # steps per write-behind window by default, where windows apply (RunConfig.window_steps)
 
 
 class ConfigError(ValueError):
@@ -166,12 +167,14 @@ class EmbeddingConfig:
     """With one trainer (it writes every shard it reads) and held rows: a step's rows go to the shards
     on a background thread while the next step computes; their commit point is the next update (or
     any save, evaluation or the end), where a failed write is recovered and redone as before."""
-    write_every: int = 1
+    write_every: int = 0
     """With the write-behind: a row reaches its shard once per window of this many steps (the rows a
     window updated, each once, as of its last step) instead of after every step that updates it.
     Saves, evaluations and the end close a window early. A trainer restart resumes from the last
     window's end (up to this many - 1 steps run again); a shard failure is seen when its window is
-    written, and the window's updates are redone on the recovered shard as a step's are."""
+    written, and the window's updates are redone on the recovered shard as a step's are. 0 (the
+    default): ``AUTO_WINDOW`` steps where windows apply (the Redis tier, one trainer, write-behind, not
+    --train-through), else 1 (``RunConfig.window_steps``)."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
     huge_pages: bool = False
@@ -184,7 +187,7 @@ class EmbeddingConfig:
         _check(self.shards > 0, "shards", self.shards, "must be > 0")
         _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
-        _check(self.write_every >= 1, "write_every", self.write_every, "must be >= 1")
+        _check(self.write_every >= 0, "write_every", self.write_every, "must be >= 1 (or 0: the default)")
         _check(
             not any(c in self.namespace for c in ":{}") and self.namespace == "".join(self.namespace.split()),
             "namespace",
@@ -510,12 +513,12 @@ class RunConfig:
                 "trains through a failure of the Redis tier (--embeddings redis)",
             )
             _check(
-                self.embeddings.write_every == 1,
+                self.embeddings.write_every in (0, 1),
                 "write_every",
                 self.embeddings.write_every,
                 "--train-through writes each step's rows behind the next at most: no windows",
             )
-        if self.embeddings.write_every > 1:
+        if self.embeddings.write_every > 1:  # asked for: refused where windows do not apply
             _check(
                 self.embeddings.embeddings == "redis" and self.train.trainers == 1 and self.embeddings.write_behind,
                 "write_every",
@@ -538,6 +541,17 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    @property
+    def window_steps(self) -> int:
+        """Steps per write-behind window: ``--write-every``, or where it is 0 (the default)
+        ``AUTO_WINDOW`` where windows apply (the Redis tier, one trainer, write-behind, not
+        --train-through; the fastest measured setting there) and 1 elsewhere."""
+        e = self.embeddings
+        if e.write_every:
+            return e.write_every
+        applies = e.embeddings == "redis" and self.train.trainers == 1 and e.write_behind
+        return AUTO_WINDOW if applies and not self.recovery.train_through else 1
 
     @property
     def checkpoint_dir(self) -> str:

@@ -43,6 +43,7 @@ from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.factory import RecoverySettings, build_recovery
 from recovery.protocol import CONTINUE, Collective, Outcome
+from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
 from recsys.clock import WARMUP_STEPS, StepClock
 from recsys.config import RunConfig
@@ -125,7 +126,7 @@ def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
         shard_restart_timeout=rc.shard_restart_timeout,
         replica_wait=e.replica_wait,
         write_behind=e.write_behind,
-        write_every=e.write_every,
+        write_every=cfg.window_steps,
         train_through=rc.train_through,
         through_budget_mb=rc.through_budget_mb,
     )
@@ -392,7 +393,7 @@ class Trainer:
         saves = ckpt_due or prio_due or flush_due
         reads = eval_now or saves
         window = self.recovery.window_steps
-        if window == 1 or reads or step % window == 0 or step == self.steps:  # where a write may end
+        if window == 1 or reads or closes_window(step, window) or step == self.steps:  # where a write may end
             # built only where it is saved, and written once the step's write-behind is on the shards
             self.dense_saver.save(step, lambda: self.state_dict(step))
         self.schedule.observe(step, time.perf_counter() - self._t_step)

@@ -6,10 +6,11 @@ Same model, data and steps for every row. The reference of the ratios is torchre
 plain loop over pre-built batches: the strongest peer. Then ``--embeddings local`` (the same fused
 engine inside the project's training loop, data read each step), and the Redis tier with each shard
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
-trainer restarts on; the goal configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``:
-no per-step dense state, what the fused engine never writes; and with ``--write-every K``: each
-row written to its shard once per window of K steps). The limit row is the design's own ceiling on
-this machine: the same loop (1 trainer, 2 shards, every row held) with each step's row writes built
+trainer restarts on, and with one trainer rows written once per window of 16 steps; the goal
+configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``: no per-step dense state, what
+the fused engine never writes; and with the bench's ``--write-every K``, default 1: each row written
+to its shard after every step that updates it). The limit row is the design's own ceiling on
+this machine: the same loop (1 trainer, 2 shards, every row held, defaults) with its row writes built
 and never sent (``RECSYS_ROWS_NOWHERE=1``, refused anywhere a row would be read back). The project's DLRM computes
 torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
 engine with torchrec's stock interaction, as a torchrec user gets it. samples/s counts training
@@ -29,7 +30,7 @@ engines generate each batch (teacher labels and all) inside their step, as ``rec
 by default, while the reference still trains from pre-built batches.
 
 ``--pairs N``: then N rounds, each the fused engine (in the plain loop and inside the project's
-loop) and the tier's goal configuration (1 trainer, 2 shards; writing every step, and with
+loop) and the tier's goal configuration (1 trainer, 2 shards; with its defaults, and with
 ``--write-every K``) measured back to back, in alternating order; the ratio of each round (to the
 faster fused figure) and their medians. On a shared machine
 whose speed moves over minutes, a round's figures see the same machine.
@@ -92,7 +93,7 @@ def config(
     rows=None,
     dim=None,
     restarts=True,
-    write_every=1,
+    write_every=0,
 ) -> RunConfig:
     rows = rows or args.rows_per_table
     cfg = RunConfig(
@@ -368,8 +369,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--write-every",
         type=int,
-        default=16,
-        help="the tier's goal configuration also with rows written once per window of this many steps (1: not)",
+        default=1,
+        help="the tier's goal configuration also with this --write-every (default 1: rows written every step; "
+        "0: no such row)",
     )
     ap.add_argument(
         "--data",
@@ -464,9 +466,10 @@ def measure(args) -> tuple[list, list, list]:
                     cache = summary.get("row_cache") or {}
                     if prefetch and w == 1 and cache.get("capacity_rows", 0) >= cache.get("table_rows", 1):
                         label = "on (turned off: the trainer holds every row)"  # recsys/backends.py
+                    k = summary.get("write_every", 1)
                     rows.append(
                         (
-                            "redis tier",
+                            f"redis tier, defaults (--write-every {k})",
                             *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                         )
                     )
@@ -487,7 +490,7 @@ def measure(args) -> tuple[list, list, list]:
                                 *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                             )
                         )
-                        if args.write_every > 1:
+                        if args.write_every:
                             k = args.write_every
                             summary = run(
                                 config(args, out.with_name(f"{out.name}-w{k}"), "redis", s, False, w, write_every=k)
@@ -512,21 +515,21 @@ def measure(args) -> tuple[list, list, list]:
         )
         rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
         pairs, threads = [], []
-        k = max(1, args.write_every)
+        k = args.write_every
         for i in range(args.pairs):
             measures = [
                 lambda: fused_samples_per_s(args),
                 lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
                 lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
             ]
-            if k > 1:
+            if k:
                 measures.append(
                     lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
                 )
             n = len(measures)
             order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
             got = {j: measures[j]() for j in order}
-            pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k > 1 else None))
+            pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k else None))
             threads.append([g.get("training_thread_ms") or {} for g in (got[2], got.get(3)) if g is not None])
     return rows, pairs, threads
 
@@ -554,17 +557,18 @@ def print_table(args, rows: list) -> None:
 
 
 def print_pairs(args, pairs: list, threads: list) -> None:
-    k = max(1, args.write_every)
-    win = [f"tier, --write-every {k}", "x fused"] if k > 1 else []
+    k = args.write_every
+    win = [f"tier, --write-every {k}", "x fused"] if k else []
     print(
-        "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards) | x fused (faster) | "
+        "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards, defaults) "
+        "| x fused (faster) | "
         + "".join(f"{c} | " for c in win)
         + "tier's training thread on_cpu / runnable / blocked (ms/step)"
-        + (" (every step; window)" if win else "")
+        + (f" (defaults; --write-every {k})" if win else "")
         + " |"
     )
     print("|---" * (7 + len(win)) + "|")
-    names = ["plain", "loop", "tier"] + (["window"] if win else [])
+    names = ["plain", "loop", "tier"] + ([f"w{k}"] if win else [])
     for i, ((plain, local, tier, window), ths) in enumerate(zip(pairs, threads)):
         order = ", ".join(names if i % 2 == 0 else names[::-1])
         split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
@@ -573,7 +577,7 @@ def print_pairs(args, pairs: list, threads: list) -> None:
         print(
             f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
         )
-    for what, at in [("tier", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
+    for what, at in [("tier, defaults", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
         ratios = sorted(r[at] / max(r[0], r[1]) for r in pairs)
         print(
             f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "

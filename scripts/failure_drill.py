@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval_every": 0,
         "seed": args.seed,
         "progress": False,
+        "write_every": 1,  # every step's rows on their shards: each strategy's loss shows at its failure
     }
     try:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]

@@ -25,6 +25,7 @@ from tests.test_errors import one_error_line
 ROOT = Path(__file__).resolve().parents[1]
 ONE = ["--steps", "40", "--trainers", "1", "--shards", "2", "--rows-per-table", "2000", "--batch-size", "256"]
 ONE += ["--embedding-dim", "8", "--eval-every", "0", "--eval-samples", "2048", "--log-every", "5"]
+ONE += ["--write-every", "1"]  # each step's rows on their shards: the damage meets a known step
 CRASH = ["--checkpoint-every", "10", "--keep-checkpoints", "3", "--max-restarts", "1"]
 CRASH += ["--inject", "node:0@step=24", "--inject", "node:0@step=36"]
 

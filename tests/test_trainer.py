@@ -136,7 +136,7 @@ def test_cli_run_writes_all_outputs(tmp_path):
         (["--data", "criteo-kaggle:/nonexistent/train.txt"], "path '/nonexistent/train.txt' does not exist"),
         (["--steps", "ten"], "--steps 'ten': not a valid int"),
         (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
-        (["--write-every", "0"], "write_every=0: must be >= 1"),
+        (["--write-every", "-1"], "write_every=-1: must be >= 1"),
         (["--write-every", "8", "--trainers", "2"], "write_every=8: windows are written behind by one trainer"),
     ],
 )
@@ -241,6 +241,7 @@ def test_tensorboard_events_hold_the_metrics_and_each_failure_at_its_step(tmp_pa
     out = tmp_path / "run"
     flags = ["--steps", "30", "--trainers", "1", "--shards", "2", "--rows-per-table", "1000", "--embedding-dim", "8"]
     flags += ["--batch-size", "128", "--log-every", "5", "--eval-samples", "2048", "--recovery", "partial"]
+    flags += ["--write-every", "1"]  # the failure is seen at its own step, not at its window's end
     s = train_cli(out, *flags, "--checkpoint-every", "10", "--inject", "shard:1@step=14", "--tensorboard")
     ea = EventAccumulator(str(out / "tensorboard"))
     ea.Reload()
