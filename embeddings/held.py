@@ -51,6 +51,7 @@ def put_rows(dst: np.ndarray, at: np.ndarray, rows: np.ndarray) -> None:
 
 FREE, UNKNOWN, HELD, ABSENT = 0, 1, 2, 3  # ABSENT: read as never written; only its writer could write it
 PREFILL_ROWS = 1 << 18  # rows initialised at a time by a fresh run's prefill (``HeldRows._prefill``)
+PREFILL_MAX_ROWS = 1 << 23  # held tables of more rows are not prefilled (about 1 s per million rows)
 NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never assumed older than a restore
 # bytes a slot costs beside its row: key 8, first/last write steps 8, touched 4, free list 4, state,
 # owner, reads and pin 5, and 2 to 4 index buckets of 4 bytes
@@ -465,14 +466,16 @@ class HeldRows:
             self._fresh = set(shards)
             if self._written is None:
                 self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
-            if self._direct and self._init is not None and self._every_shard and self._fresh >= self.shards:
+            every = self._every_shard and self._fresh >= self.shards
+            if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 
     def _prefill(self) -> None:
         """Every row fits and none was ever written (a fresh run whose every shard this writer
         writes): each free slot takes its row's initial value now, known never written, as an engine
         that allocates its tables initialises them, so that no step computes a row's initial value
-        on its path (under ``_lock``)."""
+        on its path (under ``_lock``). Up to ``PREFILL_MAX_ROWS`` rows: beyond, the run's start would
+        wait for minutes, and the rows are initialised as steps first read them."""
         num_rows = [spec.num_rows for spec in self._tables.specs]
         for t in np.flatnonzero(self._held).tolist():
             for lo in range(0, num_rows[t], PREFILL_ROWS):
