@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""The embedding kernels alone: fbgemm's TBE against the tier's own, on one batch shape, on the host.
+
+fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (the fused engine's kernels: pooling, backward
+and the row-wise Adagrad update fused) over host tables, against what the tier computes for the same
+batch: the batch's unique rows gathered from a row table, pooled by ``index_select`` (one id a bag,
+as Criteo's features), the backward, row-wise Adagrad on the unique rows and their scatter back.
+Both see the same ids (Zipf, per table); each runs ``--steps`` steps after 10 warm-up steps, with
+``--threads`` torch threads. What it answers: whether moving the tier's step into TBE's kernels
+would make its compute faster on this host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", type=int, default=26, help="tables")
+    ap.add_argument("--rows-per-table", type=int, default=100_000, help="rows of each table")
+    ap.add_argument("--embedding-dim", type=int, default=16, help="embedding dim")
+    ap.add_argument("--batch-size", type=int, default=1024, help="batch size (one id a bag)")
+    ap.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the ids")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps")
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    t, r, d, b = args.tables, args.rows_per_table, args.embedding_dim, args.batch_size
+    rng = np.random.default_rng(0)
+    batches = [
+        torch.from_numpy(((rng.zipf(args.zipf, size=(t, b)) - 1) % r).reshape(-1).astype(np.int64))
+        for _ in range(args.steps + 10)
+    ]
+    base = torch.arange(t).repeat_interleave(b) * r
+    unique = np.mean([len(torch.unique(x + base)) for x in batches])
+    offsets = torch.arange(t * b + 1, dtype=torch.int64)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU)] * t,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.01,
+        eps=1e-8,
+    )
+    table = torch.zeros(t * r, d + 1)  # the tier's rows: weights and the row-wise accumulator
+
+    def fused(ids: torch.Tensor) -> None:
+        out = tbe(ids, offsets)
+        out.backward(torch.full_like(out, 1e-3))
+
+    def tier(ids: torch.Tensor) -> None:
+        keys, inverse = torch.unique(ids + base, return_inverse=True)
+        rows = table.index_select(0, keys)
+        w = rows[:, :d].clone().requires_grad_()
+        out = w.index_select(0, inverse)
+        out.backward(torch.full_like(out, 1e-3))
+        g = w.grad
+        acc = rows[:, d] + g.pow(2).mean(1)
+        table[keys, :d] = rows[:, :d] - 0.01 * g / (acc.sqrt() + 1e-8)[:, None]
+        table[keys, d] = acc
+
+    print(f"{t} tables x {r} rows x {d}, batch {b}, Zipf {args.zipf}: {unique:,.0f} unique rows a step")
+    print("| kernels | threads | ms/step |\n|---|---|---|")
+    for threads in [int(x) for x in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for name, step in (("fbgemm TBE: pool, backward, row-wise Adagrad fused", fused), ("the tier's", tier)):
+            for ids in batches[:10]:
+                step(ids)
+            t0 = time.perf_counter()
+            for ids in batches[10:]:
+                step(ids)
+            print(f"| {name} | {threads} | {(time.perf_counter() - t0) / args.steps * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
