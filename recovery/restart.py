@@ -55,16 +55,31 @@ class Restarts:
             incremental.drop_after(self.flusher.dir, self.store.num_shards, step)
 
     def fresh_start(self) -> None:
-        """A new run (rank 0): log segments, saves and markers in the folders are an earlier run's."""
+        """A new run (rank 0): log segments, saves and markers in the folders are an earlier run's.
+        And every shard back to step 0: a trainer restarted before the first dense state became
+        the restart point starts afresh, while the first write (step 1's rows, or the first
+        window's) may be on the shards, or cut short there; its undo record takes it back, as a
+        restart with the dense state at step 0 would (a shard that never applied one, or one further
+        on, is left)."""
         if self.rank == 0:
             self.drop_saves_after(0)
             if self.log_dir is not None:
                 for seg in layout.log_segments(self.log_dir):
                     seg.unlink()
             self.journal.clear()
+            for s in range(self.store.num_shards):
+                # a shard that does not answer is failed here and met by the protocol at its first use
+                self.detector.guard(lambda s=s: self._undo_first_write(s))
         self.collective.barrier()
         for log in self.writes.logs.values():
             log.open_segment(1)
+
+    def _undo_first_write(self, shard: int) -> None:
+        """Shard back to step 0 where it holds the first write alone (its marker at most 1); a shard
+        further on is another run's (a fresh start in its namespace) and is left as it is."""
+        applied = self.store.applied_step(shard)
+        if applied is None or applied <= 1:
+            self.store.rollback(shard, 0)
 
     def resume(
         self,

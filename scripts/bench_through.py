@@ -43,6 +43,7 @@ def run_flags(args, trainers: int, strategy: str, through: bool) -> list[str]:
     flags += ["--rows-per-table", str(args.rows_per_table), "--batch-size", str(args.batch_size)]
     flags += ["--eval-every", str(args.eval_every), "--eval-samples", str(args.eval_samples)]
     flags += ["--log-every", str(args.eval_every), "--seed", str(args.seed)]
+    flags += ["--write-every", "1"]  # every run writes each step, as --train-through does: one contract
     if strategy == "none":
         return [*flags, "--recovery", "log"]  # no failure: the strategy does nothing but log
     flags += ["--recovery", strategy, "--checkpoint-every", str(args.checkpoint_every)]
@@ -161,7 +162,17 @@ def large(args) -> list[dict]:
                 redis.Redis.from_url(c).flushall()
             run = out / name.replace(" --", "-")
             flags = ["--steps", str(k + args.large_after), "--trainers", "1", "--rows-per-table", str(args.large_rows)]
-            flags += [*LARGE, "--redis", servers.redis, "--recovery", "partial", "--checkpoint-every", str(k)]
+            flags += [
+                "--write-every",
+                "1",
+                *LARGE,
+                "--redis",
+                servers.redis,
+                "--recovery",
+                "partial",
+                "--checkpoint-every",
+                str(k),
+            ]
             flags += ["--inject", f"shard:1@step={k + 1}", "--shard-restart-timeout", "120", "--timeout", "30"]
             flags += ["--train-through"] if through else []
             print(f"bench_through: large shard, {name} ...", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from tests.conftest import track, train_cli
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "5", "--rows-per-table", "500", "--batch-size", "64", "--embedding-dim", "8"]
 SMALL += ["--eval-every", "0", "--eval-samples", "512", "--trainers", "1"]
+SMALL += ["--write-every", "1"]  # each step's rows on their shards: a fault is met at its own step
 
 
 def cli(tmp_path: Path, *flags: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -39,6 +39,7 @@ from tests import procs
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--rows-per-table", "500", "--batch-size", "64", "--embedding-dim", "8"]
 SMALL += ["--eval-every", "0", "--eval-samples", "512", "--trainers", "1"]
+SMALL += ["--write-every", "1"]  # each step's rows on their shards: a fault is met at its own step
 
 
 def _shard_folder_of(pid: int, timeout_s: float = 60.0) -> Path:

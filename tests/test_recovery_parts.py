@@ -287,6 +287,28 @@ def test_a_fresh_start_assumes_nothing_of_a_shard_that_is_already_dead(rig):
     assert store.held._fresh == {0, 2}
 
 
+def test_a_fresh_start_after_a_restart_takes_the_first_write_back(rig):
+    """A trainer restarted before its first dense state became the restart point starts afresh:
+    step 1's rows already on the shards (or a write of them cut short: marker still unset) go back
+    by their undo records, so step 1 is not applied twice; a shard that never applied one is left."""
+    sh, store, _, logs = rig
+    mgr = make_manager("partial", store, sh, None, logs)
+    initial = all_rows(store)
+    train_steps(mgr, store, 1, 1, np.random.default_rng(7))
+    assert store.applied_steps() == [1, 1, 1] and not np.array_equal(all_rows(store)["a"], initial["a"])
+    store.call(2, lambda c: c.delete(store.meta_key("applied", 2)))  # shard 2's write cut short before its marker
+    store.call(1, lambda c: c.delete(store.meta_key("applied", 1), store.meta_key("undo", 1)))
+    mgr.fresh_start()
+    # shard 1: no marker and no undo record, nothing says a write was made there: nothing is undone
+    after = all_rows(store)
+    for t in TABLES:
+        keep = shard_mask(store, t, 1)
+        np.testing.assert_array_equal(after[t.name][~keep], initial[t.name][~keep])
+        assert not np.array_equal(after[t.name][keep], initial[t.name][keep])
+    assert store.applied_steps() == [0, None, 0]
+    mgr.close()
+
+
 def held_shard_restored(rig, namespace, strategy: str, seed: int):
     """A writer holding every shard's rows trains 7 steps (a checkpoint at 4), then shard 1 is killed
     and restored under ``strategy``. -> (manager, store, every row before the kill, held generation
