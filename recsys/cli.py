@@ -200,7 +200,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
 
 # config field -> the flag that sets it (the switches besides FLAGS included)
 _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS.items()} | {
-    "embeddings.prefetch": "--no-prefetch",
+    "embeddings.prefetch": "--prefetch",
     "embeddings.write_behind": "--no-write-behind",
     "embeddings.huge_pages": "--huge-pages",
     "embeddings.replica_wait": "--replica-wait",
@@ -260,7 +260,10 @@ def add_train_arguments(tr: argparse.ArgumentParser) -> None:
         help="mlperf-v2: MLPerf DLRM-v2's 26 table shapes (rows over 200) and multi-hot sizes, DCN-v2 "
         "(--model dcn), dims scaled to one machine; flags given with it override it",
     )
-    tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows")
+    tr.add_argument(
+        "--prefetch", action="store_true", help="prefetch the next batch's rows while this batch trains (default off)"
+    )
+    tr.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next batch's rows (the default)")
     tr.add_argument(
         "--inject",
         action="append",
@@ -357,8 +360,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{flag} {raw!r}: not a valid {typ.__name__}") from None
     if args.inject:
         sections["recovery"]["inject"] = list(args.inject)
-    if args.no_prefetch:
-        sections["embeddings"]["prefetch"] = False
+    if args.prefetch and args.no_prefetch:
+        raise ConfigError("--prefetch and --no-prefetch: give one")
+    if args.prefetch or args.no_prefetch:
+        sections["embeddings"]["prefetch"] = bool(args.prefetch)
     if args.no_write_behind:
         sections["embeddings"]["write_behind"] = False
     if args.huge_pages:

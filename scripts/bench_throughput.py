@@ -469,7 +469,7 @@ def measure(args) -> tuple[list, list, list]:
                     k = summary.get("write_every", 1)
                     rows.append(
                         (
-                            f"redis tier, defaults (--write-every {k})",
+                            f"redis tier, {'--prefetch' if prefetch else 'defaults'} (--write-every {k})",
                             *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
                         )
                     )

@@ -137,6 +137,7 @@ def test_cli_run_writes_all_outputs(tmp_path):
         (["--steps", "ten"], "--steps 'ten': not a valid int"),
         (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
         (["--write-every", "-1"], "write_every=-1: must be >= 1"),
+        (["--prefetch", "--no-prefetch"], "--prefetch and --no-prefetch: give one"),
         (["--write-every", "8", "--trainers", "2"], "write_every=8: windows are written behind by one trainer"),
     ],
 )
@@ -157,6 +158,8 @@ def test_toml_config_round_trip_and_flag_override(tmp_path):
     args = build_parser().parse_args(["train", "--config", str(path), "--lr", "0.5", "--no-prefetch"])
     got = resolve(args)
     assert got.optim.lr == 0.5 and got.embeddings.prefetch is False and got.train.steps == 30
+    assert resolve(build_parser().parse_args(["train", "--config", str(path), "--prefetch"])).embeddings.prefetch
+    assert RunConfig().embeddings.prefetch is False  # off by default: it slowed every measured configuration
     path.write_text("[train]\nstepz = 3\n")
     with pytest.raises(ConfigError, match=r"c.toml: unknown field\(s\) \['stepz'\] in \[train\]"):
         RunConfig.from_toml(path)
