@@ -484,6 +484,9 @@ class HeldRows:
                 keys = rowkeys.pack(t, ids if free.all() else ids[free])
                 n = len(keys)
                 self._admit(keys, None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
+        # every row has its slot for good (a direct cache frees none): the one-bit-per-row map of a
+        # fresh run's writes is never asked again, so no write marks it
+        self._written = None
 
     def assume_absent(self, table: int, ids: np.ndarray) -> None:
         """Rows known never written, held as such (with their initial values) while they fit."""
