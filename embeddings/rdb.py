@@ -321,12 +321,15 @@ def read_keys(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, V
 
 
 @contextlib.contextmanager
-def _mapped(path: str | os.PathLike) -> Iterator[_Reader]:
-    """A reader over the file at ``path``, mapped (``ShardDataError`` for an empty file)."""
+def _mapped(path: str | os.PathLike, populate: bool = False) -> Iterator[_Reader]:
+    """A reader over the file at ``path``, mapped (``ShardDataError`` for an empty file);
+    ``populate``: its pages mapped at once (the reads that follow touch all of it: one call
+    instead of a fault every few pages)."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise ShardDataError(f"snapshot {path}: empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as mm:
             r = _Reader(memoryview(mm), str(path))
             try:
                 yield r
@@ -403,6 +406,17 @@ def check_file(path: str | os.PathLike) -> bool:
         return _check_sum(r)
 
 
+def mapped(path: str | os.PathLike) -> contextlib.AbstractContextManager[_Reader]:
+    """The file at ``path`` open for ``check_mapped`` and ``scan_mapped`` (one mapping, its pages
+    mapped at once, for both)."""
+    return _mapped(path, populate=True)
+
+
+def check_mapped(r: _Reader) -> bool:
+    """``check_file`` of a file already open (``mapped``)."""
+    return _check_sum(r)
+
+
 def restore_payloads(path: str | os.PathLike, prefix: bytes) -> Iterator[tuple[bytes, int, bytearray]]:
     """(key, value type, payload) of every key that starts with ``prefix`` in the RDB file at
     ``path``, the payload as ``RESTORE`` takes it (and ``DUMP`` gives it): the value's type byte and
@@ -443,19 +457,25 @@ def scan_snapshot(path: str | os.PathLike, prefix: bytes, sample, progress=None,
     prefix (the payload built only when it is called for: ``payload()``); ``progress(end, found)``
     hears every few MB how far the file has been read and checked. ``checksum=False``: the caller
     has checked the file's CRC-64 (``check_file``)."""
-    out = Contents()
     with _mapped(path) as r:
-        footer = _footer(r, checksum)
-        since = 0
-        for key, op, start, end in _spans(r, prefix, out.others):
-            out.keys += 1
-            out.value_bytes += end - start
-            out.dbs.add(r.db)
-            sample(key, op, lambda op=op, start=start, end=end: _payload(op, r.buf, start, end, footer))
-            if progress is not None and end - since >= 4 << 20:
-                since = end
-                progress(end, out.note_functions(r.functions))
-        return out.note_functions(r.functions)
+        return scan_mapped(r, prefix, sample, progress, checksum)
+
+
+def scan_mapped(r: _Reader, prefix: bytes, sample, progress=None, checksum: bool = True) -> Contents:
+    """``scan_snapshot`` of a file already open (``mapped``), from its start."""
+    out = Contents()
+    r.pos = 0
+    footer = _footer(r, checksum)
+    since = 0
+    for key, op, start, end in _spans(r, prefix, out.others):
+        out.keys += 1
+        out.value_bytes += end - start
+        out.dbs.add(r.db)
+        sample(key, op, lambda op=op, start=start, end=end: _payload(op, r.buf, start, end, footer))
+        if progress is not None and end - since >= 4 << 20:
+            since = end
+            progress(end, out.note_functions(r.functions))
+    return out.note_functions(r.functions)
 
 
 def _footer(r: _Reader, checksum: bool = True) -> bytes:

@@ -45,7 +45,7 @@ def load_snapshot(store, shard: int, path) -> int:
     ns = store.key_namespace(shard)
     head = f"{ns}:".encode()
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    seen: set[int] = set()  # tables whose first bucket passed (one file: checked once, whichever way)
+    seen: set = set()  # tables whose first bucket passed (and their keys' common part) (one file: checked once, whichever way)
 
     def sample(key, kind, payload) -> None:
         _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
@@ -125,9 +125,13 @@ def _refuse(store, shard: int, why: str, then: str) -> None:
     store.warn(f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its keys go by {then} instead")
 
 
-def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> None:
+def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set, source: str) -> None:
     """Every key's table is one of the run's; the first row bucket of each table decodes, and its
-    rows are of the table's width in fields of the layout (``group_rows``' checks)."""
+    rows are of the table's width in fields of the layout (``group_rows``' checks). ``seen`` holds
+    the tables whose first bucket passed, and their keys' common part (a bucket of one goes by at
+    once: the scan's common case)."""
+    if kind != 0 and key[-9:-8] == b":" and key[:-9] in seen:
+        return
     t, sep, bucket = key[len(head) :].partition(b":")
     if not (sep and t.isdigit() and len(bucket) == 8):
         return  # not a row bucket: bookkeeping
@@ -136,8 +140,8 @@ def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths
         raise ShardDataError(f"snapshot: bucket {key!r} of table {table}, which the run does not have")
     if table in seen and kind != 0:
         return
-    seen.add(table)
     group_rows(iter([(key, decode_value(kind, payload(), source))]), ns, layout, widths)
+    seen.update((table, key[:-9]))
 
 
 def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import redis
 
 from embeddings.errors import ShardDataError
-from embeddings.rdb import Contents, check_file, scan_snapshot
+from embeddings.rdb import Contents, check_mapped, mapped, scan_mapped
 
 ACCEPT_S = 10.0  # how long the server has to connect back after REPLICAOF
 POLL_S = 0.005  # between the INFO calls that watch the load
@@ -76,10 +76,11 @@ def load_by_sync(store, shard: int, path, prefix: bytes, sample, then: str = "RE
     if endpoint in store.sync_refused or unsuitable(store, shard):
         return None
     db = int(store._pools[shard].connection_kwargs.get("db", 0) or 0)
-    check_file(path)  # the whole file against its CRC-64 first: a damaged one never starts a sync
     try:
-        with store._locks[shard]:
-            contents = _sync(store, shard, path, lambda gate: _scan(path, prefix, sample, db, gate))
+        with mapped(path) as r:  # one mapping for both checks
+            check_mapped(r)  # the whole file against its CRC-64 first: a damaged one never starts a sync
+            with store._locks[shard]:
+                contents = _sync(store, shard, path, lambda gate: _scan(r, prefix, sample, db, gate))
     except SyncRefused as e:
         store.sync_refused[endpoint] = str(e)
         store.warn(
@@ -96,7 +97,7 @@ def load_by_sync(store, shard: int, path, prefix: bytes, sample, then: str = "RE
     return contents.value_bytes
 
 
-def _scan(path, prefix: bytes, sample, db: int, gate: _Gate) -> Contents | None:
+def _scan(r, prefix: bytes, sample, db: int, gate: _Gate) -> Contents | None:
     """The file checked as it is sent: the gate opens up to each checked part while the file holds
     only the namespace's keys in ``db``; -> its contents, or None where it holds anything else."""
 
@@ -104,7 +105,7 @@ def _scan(path, prefix: bytes, sample, db: int, gate: _Gate) -> Contents | None:
         if found.alone and found.dbs <= {db}:
             gate.open_to(end)
 
-    contents = scan_snapshot(path, prefix, sample, progress, checksum=False)
+    contents = scan_mapped(r, prefix, sample, progress, checksum=False)
     return contents if contents.alone and contents.dbs <= {db} else None
 
 
