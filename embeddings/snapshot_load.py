@@ -45,7 +45,9 @@ def load_snapshot(store, shard: int, path) -> int:
     ns = store.key_namespace(shard)
     head = f"{ns}:".encode()
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    seen: set = set()  # tables whose first bucket passed (and their keys' common part) (one file: checked once, whichever way)
+    seen: set = (
+        set()
+    )  # tables whose first bucket passed (and their keys' common part) (one file: checked once, whichever way)
 
     def sample(key, kind, payload) -> None:
         _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
