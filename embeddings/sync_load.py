@@ -13,9 +13,9 @@ each row bucket's framing, the first bucket of each table against the run's layo
 table one of the run's): a damaged file never reaches the server. After the load the server must
 hold exactly the file's keys.
 
-The shards of one node restored together go this way first (``snapshot_load.load_snapshot``):
-this process does little but check the files, so N shards take little longer than one; a shard
-restored alone goes by ``RESTORE`` first, which costs its server less. The sync is taken only where
+Every shard goes this way first where it can (``snapshot_load.load_snapshot``): this process does
+little but check the file and copy it to the socket, so the shards of a node restored at once take
+little longer than one. The sync is taken only where
 it cannot touch anything but the shard: the server holds no key at all, has no replica of its own
 and is not a cluster node; the file holds only this namespace's keys, in the connection's database,
 and no function library; the connection is not TLS (the server would connect back in plain TCP).

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from embeddings import ShardUnavailableError
-from embeddings.snapshot_load import restoring_together
 from recovery import incremental, priority
 from recovery.accounting import Ledger
 from recovery.checkpoint import Checkpoint
@@ -131,10 +130,7 @@ class ShardByShard(Restorer):
 
         if len(shards) == 1:
             return [(shards[0], one(shards[0]))]
-        with (
-            restoring_together(self.tools.store, len(shards)),
-            ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="restore") as pool,
-        ):
+        with ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="restore") as pool:
             futures = [(s, pool.submit(one, s)) for s in shards]
             wait([f for _, f in futures])
         return [(s, f.result()) for s, f in futures]
@@ -331,10 +327,7 @@ class Full(Restorer):
                 f"full recovery of shards {failed} at step {step}: no verified checkpoint in {where} ({corrupt})"
             )
         rec["restored_from_step"] = ckpt.step
-        with (
-            restoring_together(tools.store, n),
-            ThreadPoolExecutor(max_workers=n, thread_name_prefix="restore") as pool,  # every shard at once
-        ):
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="restore") as pool:  # every shard at once
             rec["restored_bytes"] = sum(pool.map(lambda s: tools.restore_shard(s, ckpt), range(n)))
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         rec["recomputed_steps"] = step - 1 - ckpt.step

@@ -6,10 +6,10 @@ Per size (bytes of rows per shard, 64-dim float32 rows, ``--scaling-shards`` sha
 - the snapshot: a local ``BGSAVE`` and file copy, a fork streamed over the replication protocol,
   and a scan copy (its whole time is a pause);
 - one shard restored from its local file (a replacement ``redis-server`` loads it), over the
-  protocol after its supervisor restarted it empty (one ``RESTORE`` per bucket, as a shard restored
-  alone goes), the same by one full synchronization (the server a replica of the restorer for one
-  ``PSYNC``, as a node's shards go) and over the older path (one ``HSET`` per bucket; up to 1 GB),
-  by replica promotion, and a full restore;
+  protocol after its supervisor restarted it empty by one full synchronization (the server a
+  replica of the restorer for one ``PSYNC``, the way taken first), the same by one ``RESTORE`` per
+  bucket (the way where the sync does not apply) and over the older path (one ``HSET`` per bucket;
+  up to 1 GB), by replica promotion, and a full restore;
 - the same node failure with every shard at once, from local files and over the protocol (the
   shards are restored in parallel);
 - the sources: Redis's own load of the same file (a fresh ``redis-server`` on it, until it
@@ -155,7 +155,7 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
     others once."""
     import redis
 
-    from embeddings.snapshot_load import restoring_together
+    from embeddings.snapshot_load import first_way
     from recovery.manager import RecoveryManager
     from recovery.protocol import Collective
 
@@ -191,8 +191,8 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
 
         return run
 
-    def sync_alone(fn) -> float:
-        with restoring_together(store, 2):  # one shard by the sync, as a node's shards go
+    def by_restore(fn) -> float:
+        with first_way(store, "RESTORE"):  # the way a server that cannot take the sync gets its keys
             return fn()
 
     def replicas_follow(follow: bool) -> None:
@@ -214,10 +214,10 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
             ("redis_load_s", lambda: redis_load_seconds(sh, ckpt.candidates()[0].shard_file(0))),
             ("local_1", lambda: recover("partial", sh.specs)),
             # a server the project did not start: its supervisor restarts it empty, rows over the protocol
-            ("protocol_1", lambda: recover("partial", [], before=restart(0))),
+            ("protocol_1", lambda: by_restore(lambda: recover("partial", [], before=restart(0)))),
             ("local_all", lambda: recover("partial", sh.specs, failed=every)),
             ("protocol_all", lambda: recover("partial", [], failed=every, before=restart(*every))),
-            ("sync_1", lambda: sync_alone(lambda: recover("partial", [], before=restart(0)))),
+            ("sync_1", lambda: recover("partial", [], before=restart(0))),
         ):
             for f in files:  # every source in the page cache, as the one-shard restores find theirs
                 read_seconds(f)

@@ -14,7 +14,7 @@ import redis
 from embeddings import SGD, Adagrad, Adam, LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from embeddings.errors import ShardDataError
 from embeddings.rdb import CRC64, restore_payloads
-from embeddings.snapshot_load import restoring_together
+from embeddings.snapshot_load import first_way
 from tests.conftest import track
 from tests.test_layout import bgsave, every_row
 
@@ -59,8 +59,8 @@ def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_
         dst.warn = lines.append
         c1 = redis.Redis.from_url(sh.urls[1])
         keys = c0.dbsize()
-        # a shard restored alone goes by RESTORE, a node's shards restored together by the sync
-        with restoring_together(dst, 2 if path == "sync" else 1):
+        # each way, put first
+        with first_way(dst, "the sync" if path == "sync" else "RESTORE"):
             sent = dst.load_snapshot(0, rdb)
         assert 0 < sent < rdb.stat().st_size and not lines  # the values' bytes, as the file holds them
         assert calls(c1, "restore") == (keys if path == "restore" else 0) and calls(c1, "hset") == 0
@@ -94,6 +94,7 @@ def test_a_server_that_refuses_restore_falls_back_with_one_line_and_the_rows_sta
         dst = RedisStore([url], TABLES, RowWiseAdagrad(0.1), namespace=namespace)
         lines: list[str] = []
         dst.warn = lines.append
+        dst.first_way = "RESTORE"  # RESTORE's refusal first, then the sync's
         dst.load_snapshot(0, path)
         # a line for each way it could not take, naming the next: RESTORE, then the sync (no REPLICAOF)
         assert len(lines) == 2 and all("shard 0 at" in x and "pw" not in x for x in lines), lines
@@ -149,7 +150,7 @@ def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path,
         struct.pack_into("<Q", data, len(data) - 8, CRC64.calc(bytes(data[:-8])))
         framed.write_bytes(data)
         for together in (1, 2):  # by RESTORE first, then by the sync first
-            with restoring_together(dst, together):
+            with first_way(dst, "RESTORE" if together == 1 else "the sync"):
                 with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
                     dst.load_snapshot(0, flipped)
                 with pytest.raises(ShardDataError, match=r"framed\.rdb: hash .* do not frame a listpack"):
@@ -157,12 +158,15 @@ def test_a_damaged_snapshot_is_caught_before_the_server_gets_a_payload(tmp_path,
         assert calls(c1, "restore") == 0 and c1.dbsize() == 0  # neither reached the server
         # the flipped file started no sync; the framed one's was cut short before its bad listpack
         assert calls(c1, "replicaof") == 2 and c1.info("replication")["role"] == "master"
-        dst.restore_refused[dst.endpoint(0)] = "as if refused"  # the HSET path checks the file alike
+        # the HSET path checks the file alike
+        dst.restore_refused[dst.endpoint(0)] = dst.sync_refused[dst.endpoint(0)] = "as if refused"
         with pytest.raises(ShardDataError, match=r"flipped\.rdb: its bytes do not match its checksum"):
             dst.load_snapshot(0, flipped)
         assert calls(c1, "hset") == 0 and c1.dbsize() == 0
         dst.restore_refused.clear()
-        assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
+        dst.sync_refused.clear()
+        with first_way(dst, "RESTORE"):
+            assert dst.load_snapshot(0, good) > 0 and calls(c1, "restore") == c1.dbsize() > 0
         src.close()
         dst.close()
 
@@ -178,7 +182,7 @@ def test_the_sync_touches_nothing_but_the_shard_and_a_load_the_server_gives_up_f
         alone = tmp_path / "alone.rdb"
         shutil.copy(sh.spec(0).rdb_path, alone)
         dst = RedisStore(sh.urls[1:], TABLES, SGD(0.1), namespace=namespace)
-        dst.restores_together = 2  # as a node's shards are restored: by the sync first
+        dst.first_way = "the sync"  # as every shard is restored: by the sync first
         lines: list[str] = []
         dst.warn = lines.append
 
@@ -259,7 +263,7 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
         for together in (1, 2):  # by RESTORE, then by the sync
             dst = RedisStore([sh.urls[2], sh.urls[1]], tables, SGD(0.1), namespace=namespace)
             dst.snapshots.clear_shard(0)
-            with restoring_together(dst, together):
+            with first_way(dst, "RESTORE" if together == 1 else "the sync"):
                 dst.load_snapshot(0, good)
             got = every_row(dst)["w"][src.shard_map.shard_of(0, np.arange(4000)) == 0]
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -275,7 +279,10 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
         for together in (1, 2):
             dst.snapshots.clear_shard(0)
             restores = calls(c2, "restore")
-            with restoring_together(dst, together), pytest.raises(ShardDataError, match="do not frame a listpack"):
+            with (
+                first_way(dst, "RESTORE" if together == 1 else "the sync"),
+                pytest.raises(ShardDataError, match="do not frame a listpack"),
+            ):
                 dst.load_snapshot(0, framed)
             assert not c2.exists(damaged)  # by RESTORE, the buckets before it may have gone: never it
             if together == 2:  # the sync was cut short before it: the server loaded nothing
