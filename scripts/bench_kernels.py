@@ -4,7 +4,8 @@
 fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (the fused engine's kernels: pooling, backward
 and the row-wise Adagrad update fused) over host tables, against what the tier computes for the same
 batch: the batch's unique rows gathered from a row table, pooled by ``index_select`` (one id a bag,
-as Criteo's features), the backward, row-wise Adagrad on the unique rows and their scatter back.
+as Criteo's features) or by ``embedding_bag`` (``--bag-sizes``: multi-hot bags, as the mlperf-v2
+preset's), the backward, row-wise Adagrad on the unique rows and their scatter back.
 Both see the same ids (Zipf, per table); each runs ``--steps`` steps after 10 warm-up steps, with
 ``--threads`` torch threads. What it answers: whether moving the tier's step into TBE's kernels
 would make its compute faster on this host.
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,6 +30,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the ids")
     ap.add_argument("--steps", type=int, default=50, help="timed steps")
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument(
+        "--bag-sizes",
+        default="1",
+        help="ids in each table's bags: one size for every table, a comma-separated list of one per "
+        "table, or mlperf-v2 (that preset's multi-hot sizes, 26 tables)",
+    )
     return ap
 
 
@@ -41,14 +49,18 @@ def main() -> None:
     )
 
     t, r, d, b = args.tables, args.rows_per_table, args.embedding_dim, args.batch_size
+    sizes = bag_sizes(args.bag_sizes, t)
     rng = np.random.default_rng(0)
+    per_table = [b * k for k in sizes]  # ids of each table in a batch (table-major, as TBE takes them)
     batches = [
-        torch.from_numpy(((rng.zipf(args.zipf, size=(t, b)) - 1) % r).reshape(-1).astype(np.int64))
+        torch.from_numpy(np.concatenate([(rng.zipf(args.zipf, size=n) - 1) % r for n in per_table]).astype(np.int64))
         for _ in range(args.steps + 10)
     ]
-    base = torch.arange(t).repeat_interleave(b) * r
+    base = torch.repeat_interleave(torch.arange(t) * r, torch.tensor(per_table))
     unique = np.mean([len(torch.unique(x + base)) for x in batches])
-    offsets = torch.arange(t * b + 1, dtype=torch.int64)
+    lengths = torch.repeat_interleave(torch.tensor(sizes), b)  # ids of each bag
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    single = all(k == 1 for k in sizes)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(r, d, EmbeddingLocation.HOST, ComputeDevice.CPU)] * t,
         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -65,14 +77,18 @@ def main() -> None:
         keys, inverse = torch.unique(ids + base, return_inverse=True)
         rows = table.index_select(0, keys)
         w = rows[:, :d].clone().requires_grad_()
-        out = w.index_select(0, inverse)
+        if single:
+            out = w.index_select(0, inverse)
+        else:
+            out = F.embedding_bag(inverse, w, offsets, mode="sum", include_last_offset=True)
         out.backward(torch.full_like(out, 1e-3))
         g = w.grad
         acc = rows[:, d] + g.pow(2).mean(1)
         table[keys, :d] = rows[:, :d] - 0.01 * g / (acc.sqrt() + 1e-8)[:, None]
         table[keys, d] = acc
 
-    print(f"{t} tables x {r} rows x {d}, batch {b}, Zipf {args.zipf}: {unique:,.0f} unique rows a step")
+    bags = "one id a bag" if single else f"bags of {args.bag_sizes} ids ({sum(per_table):,} ids a batch)"
+    print(f"{t} tables x {r} rows x {d}, batch {b}, {bags}, Zipf {args.zipf}: {unique:,.0f} unique rows a step")
     print("| kernels | threads | ms/step |\n|---|---|---|")
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -83,6 +99,24 @@ def main() -> None:
             for ids in batches[10:]:
                 step(ids)
             print(f"| {name} | {threads} | {(time.perf_counter() - t0) / args.steps * 1e3:.2f} |")
+
+
+def bag_sizes(text: str, tables: int) -> list[int]:
+    """``--bag-sizes`` as one size per table (SystemExit with one line for a bad value)."""
+    if text == "mlperf-v2":
+        from recsys.config import MLPERF_V2_MULTI_HOT
+
+        sizes = list(MLPERF_V2_MULTI_HOT)
+    else:
+        try:
+            sizes = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise SystemExit(f"--bag-sizes {text!r}: sizes (integers), comma-separated, or mlperf-v2") from None
+        if len(sizes) == 1:
+            sizes *= tables
+    if len(sizes) != tables or min(sizes) < 1:
+        raise SystemExit(f"--bag-sizes {text!r}: {tables} sizes of at least 1 (one per table of --tables)")
+    return sizes
 
 
 if __name__ == "__main__":
