@@ -37,8 +37,9 @@ def load_snapshot(store, shard: int, path) -> int:
     """This namespace's keys of the RDB file at ``path`` onto one shard (existing buckets of the same
     keys are replaced); -> the bytes of the values sent.
 
-    Each shard goes by the sync first where it applies (an empty server, not TLS, not a cluster
-    node): on 1 GB files its server used 1.6-1.7 s of CPU a GB against 1.8 by ``RESTORE``, and this
+    Each shard goes by the sync first where it applies (``sync_load.unsuitable``: an empty server
+    with no function libraries and no replicas, not TLS, not a cluster node; a file of this
+    namespace's keys alone): on 1 GB files its server used 1.6-1.7 s of CPU a GB against 1.8 by ``RESTORE``, and this
     process 0.4 against 1.0 (``first_way`` puts ``RESTORE`` first: the tests of each way, the
     benchmark's column)."""
     store._forget(shard)

@@ -64,6 +64,12 @@ def unsuitable(store, shard: int) -> str | None:
         return "a replica, or a server with replicas"
     if any(k.startswith("db") for k in info):
         return "a server that holds keys"
+    try:  # a full sync empties the server's function libraries too
+        libraries = store.call(shard, lambda c: c.execute_command("FUNCTION", "LIST"))
+    except redis.ResponseError as e:
+        return f"FUNCTION LIST refused ({e})"
+    if libraries:
+        return "a server with function libraries"
     return None
 
 
@@ -157,6 +163,8 @@ def _sync(store, shard: int, path, data, scan):
                 if contents is not None:
                     _await_load(store, shard, conn, path)
                 return contents
+            except TimeoutError as e:  # it stopped reading
+                raise SyncRefused(f"it stalled loading {path}: {e}") from None
             except OSError as e:  # the server dropped the link: a load it gave up (its log says why)
                 raise SyncRefused(f"it gave up loading {path}: {e}") from None
     finally:
@@ -239,7 +247,7 @@ def _send(conn: socket.socket, data, scan, timeout_s: float) -> Contents | None:
     # a blocking send with the store's timeout as the socket's (SO_SNDTIMEO): one call copies up
     # to SEND_CHUNK bytes and waits out a full buffer in the kernel, not in a poll per partial send
     conn.settimeout(None)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(timeout_s), 0))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
 
     def sender() -> None:
         sent = 0
@@ -250,28 +258,38 @@ def _send(conn: socket.socket, data, scan, timeout_s: float) -> Contents | None:
                     return
                 while sent < limit:
                     sent += conn.send(data[sent : min(limit, sent + SEND_CHUNK)]) or _closed()
+        except BlockingIOError:  # SO_SNDTIMEO ran out
+            failed.append(TimeoutError(f"it took no bytes for {timeout_s:g}s"))
         except OSError as e:
             failed.append(e)
 
     thread = threading.Thread(target=sender, name="sync-send", daemon=True)
     thread.start()
+    done = False
     try:
         contents = scan(gate)
-    except BaseException:
-        gate.close()
+        if contents is None:
+            gate.close()
+        else:
+            gate.open_to(size)
         thread.join()
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-        raise
-    if contents is None:
-        gate.close()
-    else:
-        gate.open_to(size)
-    thread.join()
-    conn.settimeout(timeout_s)
+        done = True
+    finally:
+        if not done:  # the sender stops (its send cut short) before the file's mapping goes
+            gate.close()
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            thread.join()
+        conn.settimeout(timeout_s)
     if failed:
         raise failed[0]
     return contents
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as a socket option's ``struct timeval`` (at least 1 µs: zero would mean never)."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, max(int((seconds - whole) * 1e6), 0 if whole else 1))
 
 
 def _closed() -> int:

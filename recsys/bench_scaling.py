@@ -214,10 +214,10 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
             ("redis_load_s", lambda: redis_load_seconds(sh, ckpt.candidates()[0].shard_file(0))),
             ("local_1", lambda: recover("partial", sh.specs)),
             # a server the project did not start: its supervisor restarts it empty, rows over the protocol
-            ("protocol_1", lambda: by_restore(lambda: recover("partial", [], before=restart(0)))),
+            ("protocol_1", lambda: recover("partial", [], before=restart(0))),
             ("local_all", lambda: recover("partial", sh.specs, failed=every)),
             ("protocol_all", lambda: recover("partial", [], failed=every, before=restart(*every))),
-            ("sync_1", lambda: recover("partial", [], before=restart(0))),
+            ("restore_1", lambda: by_restore(lambda: recover("partial", [], before=restart(0)))),
         ):
             for f in files:  # every source in the page cache, as the one-shard restores find theirs
                 read_seconds(f)
@@ -297,14 +297,14 @@ def scaling_columns(per_shard, shard_bytes, local, net, scan_s, t, disk_s, loopb
         "local_x_redis_load": round(t["local_1"] / load, 2),
         "recovery_remote_s": r(t["protocol_1"]),
         "remote_x_redis_load": round(t["protocol_1"] / load, 2),
-        "recovery_remote_sync_s": r(t["sync_1"]),
-        "sync_x_redis_load": round(t["sync_1"] / load, 2),
+        "recovery_remote_restore_s": r(t["restore_1"]),
+        "restore_x_redis_load": round(t["restore_1"] / load, 2),
         "recovery_remote_hset_s": r(t["hset_1"]),
         f"recovery_local_{n}_shards_s": r(t["local_all"]),
         f"local_{n}_x_1": round(t["local_all"] / t["local_1"], 2),
         f"recovery_remote_{n}_shards_s": r(t["protocol_all"]),
         f"remote_{n}_x_1": round(t["protocol_all"] / t["protocol_1"], 2),
-        f"remote_{n}_x_sync_1": round(t["protocol_all"] / t["sync_1"], 2),
+        f"remote_{n}_x_restore_1": round(t["protocol_all"] / t["restore_1"], 2),
         "recovery_replica_s": r(t["replica"], 4),
         "full_restore_s": r(t["full"]),
         "log_replay_rows_per_s": t["log_replay_rows_per_s"],

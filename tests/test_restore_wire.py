@@ -4,6 +4,7 @@ exact for every row width and optimizer state either way; the sync only where it
 but the shard; a server that refuses the sync or ``RESTORE`` (or gives up a load) falls back with
 one line each, and a damaged file never reaches the server."""
 
+import contextlib
 import shutil
 import struct
 
@@ -59,8 +60,8 @@ def test_a_restore_over_the_protocol_is_exact_for_every_row_width_and_optimizer_
         dst.warn = lines.append
         c1 = redis.Redis.from_url(sh.urls[1])
         keys = c0.dbsize()
-        # each way, put first
-        with first_way(dst, "the sync" if path == "sync" else "RESTORE"):
+        # RESTORE put first; the sync, the way taken by default
+        with first_way(dst, "RESTORE") if path == "restore" else contextlib.nullcontext():
             sent = dst.load_snapshot(0, rdb)
         assert 0 < sent < rdb.stat().st_size and not lines  # the values' bytes, as the file holds them
         assert calls(c1, "restore") == (keys if path == "restore" else 0) and calls(c1, "hset") == 0
@@ -191,6 +192,19 @@ def test_the_sync_touches_nothing_but_the_shard_and_a_load_the_server_gives_up_f
         dst.load_snapshot(0, alone)
         assert calls(c1, "replicaof") == 0 and calls(c1, "restore") > 0 and c1.get("someone-else") == b"kept"
         assert every_row(dst)["b"].tobytes() == want["b"].tobytes() and not lines
+
+        # a server with a function library and no key: a sync would empty its libraries too
+        c1.flushall()
+        c1.execute_command(
+            "FUNCTION", "LOAD", "#!lua name=theirs\nredis.register_function('f', function() return 1 end)"
+        )
+        before = calls(c1, "restore")
+        dst.load_snapshot(0, alone)
+        assert calls(c1, "replicaof") == 0 and calls(c1, "restore") > before and not lines
+        libraries = c1.execute_command("FUNCTION", "LIST")
+        assert len(libraries) == 1 and "theirs" in str(libraries)
+        assert every_row(dst)["b"].tobytes() == want["b"].tobytes()
+        c1.execute_command("FUNCTION", "FLUSH")
 
         # a file that holds another namespace's key: the sync is cut short where the scan meets it
         # (the server loads nothing of it), and only this namespace's keys land, by RESTORE
