@@ -242,7 +242,7 @@ class _Reader:
         if n == 3:
             clen, _ = self.length()
             ulen, _ = self.length()
-            return lzf_decompress(self.take(clen), ulen)
+            return lzf_decompress(bytes(self.take(clen)), ulen)  # a copy: no view of the mapping outlives an error
         self.fail(f"unknown string encoding {n}")
 
     def skip_string(self) -> None:
