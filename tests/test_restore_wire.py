@@ -303,3 +303,15 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
                 assert c2.dbsize() == 0 and calls(c2, "restore") == restores
         src.close()
         dst.close()
+
+
+def test_the_sync_send_timeout_keeps_a_fraction_of_a_second():
+    """``SO_SNDTIMEO`` of {0, 0} means no timeout at all: a store timeout under a second must not
+    become one (a server that stops reading would hold the restore for ever)."""
+    from embeddings.sync_load import _timeval
+
+    def back(seconds: float) -> tuple[int, int]:
+        return struct.unpack("ll", _timeval(seconds))
+
+    assert back(0.5) == (0, 500_000) and back(1e-9) == (0, 1) and back(600.0) == (600, 0)
+    assert back(2.25) == (2, 250_000)
