@@ -39,15 +39,15 @@ def load_snapshot(store, shard: int, path) -> int:
 
     Each shard goes by the sync first where it applies (``sync_load.unsuitable``: an empty server
     with no function libraries and no replicas, not TLS, not a cluster node; a file of this
-    namespace's keys alone): on 1 GB files its server used 1.6-1.7 s of CPU a GB against 1.8 by ``RESTORE``, and this
-    process 0.4 against 1.0 (``first_way`` puts ``RESTORE`` first: the tests of each way, the
-    benchmark's column)."""
+    namespace's keys alone): on 1 GB files its server used 1.6-1.7 s of CPU a GB against 1.8 by
+    ``RESTORE``, and this process 0.4 against 1.0 (``first_way`` puts ``RESTORE`` first: the tests
+    of each way, the benchmark's column)."""
     store._forget(shard)
     store.writes.fit(shard)
     ns = store.key_namespace(shard)
     head = f"{ns}:".encode()
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
-    seen: set = set()  # tables whose first bucket passed, and their keys' common part (checked once)
+    seen: set[int] = set()  # tables whose first bucket passed (one file: checked once, whichever way)
 
     def sample(key, kind, payload) -> None:
         _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
@@ -129,13 +129,9 @@ def _refuse(store, shard: int, why: str, then: str) -> None:
     store.warn(f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its keys go by {then} instead")
 
 
-def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set, source: str) -> None:
+def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> None:
     """Every key's table is one of the run's; the first row bucket of each table decodes, and its
-    rows are of the table's width in fields of the layout (``group_rows``' checks). ``seen`` holds
-    the tables whose first bucket passed, and their keys' common part (a bucket of one goes by at
-    once: the scan's common case)."""
-    if kind != 0 and key[-9:-8] == b":" and key[:-9] in seen:
-        return
+    rows are of the table's width in fields of the layout (``group_rows``' checks)."""
     t, sep, bucket = key[len(head) :].partition(b":")
     if not (sep and t.isdigit() and len(bucket) == 8):
         return  # not a row bucket: bookkeeping
@@ -144,8 +140,8 @@ def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths
         raise ShardDataError(f"snapshot: bucket {key!r} of table {table}, which the run does not have")
     if table in seen and kind != 0:
         return
+    seen.add(table)
     group_rows(iter([(key, decode_value(kind, payload(), source))]), ns, layout, widths)
-    seen.update((table, key[:-9]))
 
 
 def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
