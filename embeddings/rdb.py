@@ -462,19 +462,32 @@ def scan_snapshot(path: str | os.PathLike, prefix: bytes, sample, progress=None,
 
 
 def scan_mapped(r: _Reader, prefix: bytes, sample, progress=None, checksum: bool = True) -> Contents:
-    """``scan_snapshot`` of a file already open (``mapped``), from its start."""
+    """``scan_snapshot`` of a file already open (``mapped``), from its start.
+
+    ``sample`` may answer True for a row bucket: every later key of the same head (the key less its
+    last 8 bytes: its namespace and table) passes the same check, and is not shown to it."""
     out = Contents()
     r.pos = 0
     footer = _footer(r, checksum)
-    since = 0
-    for key, op, start, end in _spans(r, prefix, out.others):
+    buf, same, since, lp = r.buf, set(), 0, _HASH_LISTPACK
+    for key, op, start, end in _spans(r, prefix, out.others, runs=False):
         out.keys += 1
         out.value_bytes += end - start
         out.dbs.add(r.db)
-        sample(key, op, lambda op=op, start=start, end=end: _payload(op, r.buf, start, end, footer))
-        if progress is not None and end - since >= 4 << 20:
-            since = end
-            progress(end, out.note_functions(r.functions))
+        if sample(key, op, lambda op=op, start=start, end=end: _payload(op, buf, start, end, footer)):
+            same.add(key[:-8])
+        run: list = [None]
+        while run:  # the row buckets that follow, a few MB at a time
+            if progress is not None and r.pos - since >= 4 << 20:  # all up to here is checked
+                since = r.pos
+                progress(since, out.note_functions(r.functions))
+            values, run = 0, _buckets(r, prefix)
+            for key, at, e in run:
+                if key[:-8] not in same and sample(key, lp, lambda at=at, e=e: _payload(lp, buf, at, e, footer)):
+                    same.add(key[:-8])
+                values += e - at
+            out.keys += len(run)
+            out.value_bytes += values
     return out.note_functions(r.functions)
 
 
@@ -490,9 +503,10 @@ def _footer(r: _Reader, checksum: bool = True) -> bytes:
     return struct.pack("<H", int(version))
 
 
-def _spans(r: _Reader, prefix: bytes, others: list | None) -> Iterator[tuple[bytes, int, int, int]]:
+def _spans(r: _Reader, prefix: bytes, others: list | None, runs: bool = True) -> Iterator[tuple[bytes, int, int, int]]:
     """(key, value type, start, end) of each key of ``prefix``, its value ``r.buf[start:end]``; any
-    other key is skipped (and added to ``others``)."""
+    other key is skipped (and added to ``others``). ``runs=False``: the row buckets that follow a
+    key are left to the caller (``_buckets``) before the next."""
     for op, key in _walk(r):
         start = r.pos
         if not key.startswith(prefix):
@@ -506,7 +520,9 @@ def _spans(r: _Reader, prefix: bytes, others: list | None) -> Iterator[tuple[byt
         if not special:  # an uncompressed listpack: its header's length and its end byte
             _frame(r, key, r.pos - n, n)
         yield key, op, start, r.pos
-        yield from _buckets(r, prefix)
+        while runs and (run := _buckets(r, prefix)):
+            for key, at, end in run:
+                yield key, _HASH_LISTPACK, at, end
 
 
 def _frame(r: _Reader, key: bytes, at: int, n: int) -> None:
@@ -523,33 +539,37 @@ def _payload(op: int, buf, start: int, end: int, footer: bytes) -> bytearray:
     return out
 
 
-def _buckets(r: _Reader, prefix: bytes) -> Iterator[tuple[bytes, int, int, int]]:
-    """``_spans``' common case, read inline: the keys that follow while they are uncompressed
-    listpack hashes of ``prefix`` with short keys (a row bucket, its length in 14 or 32 bits);
-    anything else is left to the generic reader."""
-    buf, size = r.buf, len(r.buf)
-    while True:
-        p = r.pos
+def _buckets(r: _Reader, prefix: bytes, most: int = 4 << 20) -> list[tuple[bytes, int, int]]:
+    """``_spans``' common case, read inline: (key, start, end) of the keys that follow while they
+    are uncompressed listpack hashes of ``prefix`` with short keys (a row bucket, its length in 14
+    or 32 bits), for about ``most`` bytes of the file; anything else is left to the generic reader."""
+    # the file's mmap itself where it is one: its slices are bytes at once, and cost half a view's
+    buf = r.buf.obj if isinstance(r.buf.obj, mmap.mmap) else bytes(r.buf)
+    size, out, p = len(buf), [], r.pos
+    stop = min(size, p + most)
+    while p < stop:
         if p + 2 > size or buf[p] != _HASH_LISTPACK or buf[p + 1] >= 64:
-            return
+            break
         at = p + 2 + buf[p + 1]  # the value's length
         if at + 5 > size:
-            return
+            break
         head = buf[at]
         if head >> 6 == 1:
             n, start = ((head & 0x3F) << 8) | buf[at + 1], at + 2
         elif head == 0x80:
             n, start = int.from_bytes(buf[at + 1 : at + 5], "big"), at + 5
         else:
-            return
+            break
         end = start + n
-        key = bytes(buf[p + 2 : at])
+        key = buf[p + 2 : at]
         if end > size or not key.startswith(prefix):
-            return
+            break
         if n < 7 or buf[end - 1] != 0xFF or int.from_bytes(buf[start : start + 4], "little") != n:
             _frame(r, key, start, n)  # says which, in one line
-        r.pos = end
-        yield key, _HASH_LISTPACK, at, end
+        out.append((key, at, end))
+        p = end
+    r.pos = p
+    return out
 
 
 def decode_value(kind: int, payload: bytes | bytearray, source: str) -> Value:

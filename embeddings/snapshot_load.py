@@ -49,8 +49,8 @@ def load_snapshot(store, shard: int, path) -> int:
     widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
     seen: set[int] = set()  # tables whose first bucket passed (one file: checked once, whichever way)
 
-    def sample(key, kind, payload) -> None:
-        _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
+    def sample(key, kind, payload) -> bool:
+        return _check(key, kind, payload, head, ns, store.layout, widths, seen, str(path))
 
     endpoint = store.endpoints[shard]
 
@@ -129,19 +129,22 @@ def _refuse(store, shard: int, why: str, then: str) -> None:
     store.warn(f"warning: shard {shard} at {endpoint} refused RESTORE ({why}): its keys go by {then} instead")
 
 
-def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> None:
+def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths, seen: set[int], source: str) -> bool:
     """Every key's table is one of the run's; the first row bucket of each table decodes, and its
-    rows are of the table's width in fields of the layout (``group_rows``' checks)."""
+    rows are of the table's width in fields of the layout (``group_rows``' checks). -> True for a
+    row bucket that passed: any other bucket of its table would pass as it did (``scan_mapped``
+    shows those no more)."""
     t, sep, bucket = key[len(head) :].partition(b":")
     if not (sep and t.isdigit() and len(bucket) == 8):
-        return  # not a row bucket: bookkeeping
+        return False  # not a row bucket: bookkeeping
     table = int(t)
     if table >= len(widths):
         raise ShardDataError(f"snapshot: bucket {key!r} of table {table}, which the run does not have")
     if table in seen and kind != 0:
-        return
+        return True
     seen.add(table)
     group_rows(iter([(key, decode_value(kind, payload(), source))]), ns, layout, widths)
+    return kind != 0
 
 
 def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:

@@ -274,6 +274,10 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
         assert big and len(big) < len(spans)  # both length encodings are in the file
         found = scan_snapshot(good, namespace.encode(), lambda *a: None)
         assert found.keys == len(spans) and found.value_bytes == sum(e - s for _, s, e in spans)
+        shown: list[bytes] = []  # a sample that answers True sees one bucket a table, then no more
+        once = scan_snapshot(good, namespace.encode(), lambda key, *a: shown.append(key) or key.count(b":") == 2)
+        rows = [key for key, _, _ in spans if key.count(b":") == 2]
+        assert once.keys == found.keys and sorted(shown) == sorted([rows[0]] + [k for k, _, _ in spans if k not in rows])
         for together in (1, 2):  # by RESTORE, then by the sync
             dst = RedisStore([sh.urls[2], sh.urls[1]], tables, SGD(0.1), namespace=namespace)
             dst.snapshots.clear_shard(0)
