@@ -277,7 +277,9 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
         shown: list[bytes] = []  # a sample that answers True sees one bucket a table, then no more
         once = scan_snapshot(good, namespace.encode(), lambda key, *a: shown.append(key) or key.count(b":") == 2)
         rows = [key for key, _, _ in spans if key.count(b":") == 2]
-        assert once.keys == found.keys and sorted(shown) == sorted([rows[0]] + [k for k, _, _ in spans if k not in rows])
+        assert once.keys == found.keys and sorted(shown) == sorted(
+            [rows[0]] + [k for k, _, _ in spans if k not in rows]
+        )
         for together in (1, 2):  # by RESTORE, then by the sync
             dst = RedisStore([sh.urls[2], sh.urls[1]], tables, SGD(0.1), namespace=namespace)
             dst.snapshots.clear_shard(0)
