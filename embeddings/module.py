@@ -43,12 +43,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.sparse.tensor_dict import maybe_td_to_kjt
 
-from embeddings import rowkeys
+from embeddings import kernels, rowkeys
 from embeddings.errors import RowRangeError
 from embeddings.store import EmbeddingStore
 
 _CACHED = 4  # batch contexts kept: the step's, the next batch's, the read-ahead one's, one spare
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+KERNELS = ("fbgemm", "torch")  # the pooling's and its backward's: fbgemm's TBE (``embeddings.kernels``) or torch's
 _UNAPPLIED_WARN = 8  # forwards whose row gradients were computed and never applied: warn once
 _HOST = torch.device("cpu")
 
@@ -235,6 +236,12 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     ``module.to(...)``). On ``device="meta"`` (torchrec's planners build modules there) the store may
     be None and is never read: forward returns meta tensors of the output's shape.
 
+    ``kernels`` (default ``"fbgemm"``): the pooling and its backward in fbgemm's TBE host kernels,
+    the fused engine's own (``embeddings.kernels``), wherever a call has rows on the host, one
+    number of bags per feature and no per-sample weights; ``"torch"``: torch's
+    ``index_select`` and ``embedding_bag`` everywhere (the path the others take). The update is the
+    store's optimizer either way (``apply_gradients``).
+
     ``weights_mb`` (default 0: none): a table of at most that many MB of fp32 weights is given as
     torchrec gives it: ``embedding_bags[name].weight`` (its rows read from the store, a copy) and
     ``state_dict``'s ``embedding_bags.<table>.weight`` in place of its location entry, so a torchrec
@@ -262,10 +269,14 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         row_source=None,
         device: torch.device | str | None = None,
         weights_mb: float = 0.0,
+        kernels: str = "fbgemm",
     ) -> None:
         super().__init__()
         if not weights_mb >= 0:
             raise ValueError(f"StoreEmbeddingBagCollection weights_mb={weights_mb} must be >= 0")
+        if kernels not in KERNELS:
+            raise ValueError(f"StoreEmbeddingBagCollection kernels={kernels!r}: one of {', '.join(KERNELS)}")
+        self._kernels = kernels
         self._device = torch.device(device) if device is not None else _HOST
         self._on_host = self._device.type == "cpu"
         names = set()
@@ -571,6 +582,10 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if track:
             rows.requires_grad_(True)
             self._track(dim, keys, [rows])
+        if self._kernels == "fbgemm" and kernels.applies(rows, self._mode, ctx.weights):
+            # fbgemm's TBE forward and backward (``embeddings.kernels``): [B, num_features * dim] at once
+            values = kernels.pool(rows, ctx.inverse, ctx.offsets, num, self._mode)
+            return KeyedTensor(keys=self._output_keys, length_per_key=[dim] * num, values=values, key_dim=1)
         # one value per bag: a gather, whose backward (index_add) is a quarter of embedding_bag's
         if ctx.single and ctx.weights is None:
             pooled = rows.index_select(0, ctx.inverse)
@@ -601,6 +616,12 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 if track:
                     rows.requires_grad_(True)
                     self._track(d, g.keys, [rows])
+                bags = {ctx.bags[j] for j in plan.features}
+                if self._kernels == "fbgemm" and len(bags) == 1 and kernels.applies(rows, plan.modes[0], g.weights):
+                    out = kernels.pool(rows, g.inverse, g.offsets, len(plan.features), plan.modes[0])
+                    for k, j in enumerate(plan.features):  # [B, features * d]: each feature's columns
+                        pooled[j] = out[:, k * d : (k + 1) * d]
+                    continue
                 out = F.embedding_bag(
                     g.inverse,
                     rows,

@@ -261,9 +261,11 @@ def batches(configs, weighted: bool, single: bool, rng, inputs: str = "kjt") -> 
     return out
 
 
-def run_equivalence(store, configs, weighted: bool, single: bool, kind: str, inputs: str = "kjt") -> None:
+def run_equivalence(
+    store, configs, weighted: bool, single: bool, kind: str, inputs: str = "kjt", kernels: str = "fbgemm"
+) -> None:
     """Train ours and torchrec's side by side for ``STEPS`` steps; outputs and rows must agree."""
-    ours = StoreEmbeddingBagCollection(configs, store, is_weighted=weighted)
+    ours = StoreEmbeddingBagCollection(configs, store, is_weighted=weighted, kernels=kernels)
     ref = reference(configs, weighted, store)
     ref_opt = reference_optimizer(ref, kind)
     side_by_side(ours, ref, ref_opt, batches(configs, weighted, single, np.random.default_rng(5), inputs), configs)
@@ -286,12 +288,31 @@ def side_by_side(ours, ref, ref_opt, kjts, configs) -> None:
         ref_opt.step()
 
 
+# the cases whose every pooling call fbgemm's TBE kernels take (unweighted, one pooling per dim,
+# one feature per table); the others take them where a dim's calls allow, torch's elsewhere
+ON_TBE = ("dlrm", "multi_hot", "dims")
+
+
+@pytest.mark.parametrize("kernels", ["fbgemm", "torch"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_torchrec_ebc(case, kind):
+def test_matches_torchrec_ebc(case, kind, kernels, monkeypatch):
+    """Both kernels (fbgemm's TBE, the default, and torch's), every optimizer, every shape; where
+    TBE's kernels apply, every pooling call goes through them (and none with ``kernels="torch"``)."""
+    from embeddings import kernels as tbe
+
+    calls = []
+    pool = tbe.pool
+    monkeypatch.setattr(tbe, "pool", lambda *a: calls.append(a[3]) or pool(*a))
     make, weighted, single = CASES[case]
     configs = make()
-    run_equivalence(make_store(configs, kind), configs, weighted, single, kind)
+    run_equivalence(make_store(configs, kind), configs, weighted, single, kind, kernels=kernels)
+    if kernels == "torch" or weighted:
+        assert not calls
+    elif case in ON_TBE:  # one call a step and dim with ids (features pooled in it: every one of the dim's)
+        assert len(calls) >= STEPS - 1 and sum(calls) >= (STEPS - 1) * len(configs) // len(
+            {c.embedding_dim for c in configs}
+        )
 
 
 @pytest.mark.parametrize("inputs", ["vbe", "deduplicated", "td", "reordered"])
