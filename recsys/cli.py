@@ -89,6 +89,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     ),
     "--placement": ("embeddings", "placement", str, "row -> shard map: row (hashed per row) | table"),
     "--timeout": ("embeddings", "timeout_s", float, "seconds before a silent shard is failed"),
+    "--kernels": (
+        "embeddings",
+        "kernels",
+        str,
+        "the tier's pooling and its backward: fbgemm (TBE's host kernels, the fused engine's; default) | torch",
+    ),
     "--held-rows-mb": (
         "embeddings",
         "held_rows_mb",

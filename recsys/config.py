@@ -151,6 +151,11 @@ class EmbeddingConfig:
     """Row -> shard map: hashed per row, or whole tables."""
     timeout_s: float = 5.0
     """Deadline of every store call; a shard that does not answer in time is failed."""
+    kernels: Literal["fbgemm", "torch"] = "fbgemm"
+    """The tier's pooling and its backward: ``fbgemm``, TBE's host kernels (the fused engine's own:
+    ``embeddings.kernels``) for every unweighted call; ``torch``, ``index_select`` and
+    ``embedding_bag`` (the path weighted bags always take). The update is the store's optimizer
+    either way, after the trainers' row gradients are summed."""
     prefetch: bool = False
     """Pull the next batch's rows while this batch computes (not where one trainer holds every table:
     its rows are all in memory). Off by default: on the measured 2-core host it slowed every
@@ -189,6 +194,7 @@ class EmbeddingConfig:
         _check(self.embeddings in ("redis", "local"), "embeddings", self.embeddings, "must be redis or local")
         _check(self.shards > 0, "shards", self.shards, "must be > 0")
         _check(self.placement in ("row", "table"), "placement", self.placement, "must be row or table")
+        _check(self.kernels in ("fbgemm", "torch"), "kernels", self.kernels, "must be fbgemm or torch")
         _check(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
         _check(self.write_every >= 0, "write_every", self.write_every, "must be >= 1 (or 0: the default)")
         _check(

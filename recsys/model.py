@@ -82,7 +82,7 @@ def build_dlrm(cfg: RunConfig, ebc, stock: bool = False) -> DLRM:
 
 
 def store_model(cfg: RunConfig, store: EmbeddingStore, row_source=None) -> tuple[DLRM, StoreEmbeddingBagCollection]:
-    ebc = StoreEmbeddingBagCollection(table_configs(cfg), store, row_source=row_source)
+    ebc = StoreEmbeddingBagCollection(table_configs(cfg), store, row_source=row_source, kernels=cfg.embeddings.kernels)
     return build_dlrm(cfg, ebc), ebc
 
 

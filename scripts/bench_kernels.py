@@ -3,9 +3,11 @@
 
 fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (the fused engine's kernels: pooling, backward
 and the row-wise Adagrad update fused) over host tables, against what the tier computes for the same
-batch: the batch's unique rows gathered from a row table, pooled by ``index_select`` (one id a bag,
-as Criteo's features) or by ``embedding_bag`` (``--bag-sizes``: multi-hot bags, as the mlperf-v2
-preset's), the backward, row-wise Adagrad on the unique rows and their scatter back.
+batch: the batch's unique rows gathered from a row table, pooled and differentiated by TBE's host
+forward and dense backward (``embeddings.kernels``, the tier's default ``--kernels fbgemm``) or by
+``index_select`` (one id a bag, as Criteo's features) or ``embedding_bag`` (``--bag-sizes``:
+multi-hot bags, as the mlperf-v2 preset's) (``--kernels torch``), then row-wise Adagrad on the
+unique rows and their scatter back.
 Both see the same ids (Zipf, per table); each runs ``--steps`` steps after 10 warm-up steps, with
 ``--threads`` torch threads. What it answers: whether moving the tier's step into TBE's kernels
 would make its compute faster on this host.
@@ -48,6 +50,8 @@ def main() -> None:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
+    from embeddings.kernels import pool
+
     t, r, d, b = args.tables, args.rows_per_table, args.embedding_dim, args.batch_size
     sizes = bag_sizes(args.bag_sizes, t)
     rng = np.random.default_rng(0)
@@ -73,11 +77,13 @@ def main() -> None:
         out = tbe(ids, offsets)
         out.backward(torch.full_like(out, 1e-3))
 
-    def tier(ids: torch.Tensor) -> None:
+    def tier(ids: torch.Tensor, kernels: str = "torch") -> None:
         keys, inverse = torch.unique(ids + base, return_inverse=True)
         rows = table.index_select(0, keys)
         w = rows[:, :d].clone().requires_grad_()
-        if single:
+        if kernels == "fbgemm":  # TBE's host forward and dense backward over the unique rows
+            out = pool(w, inverse, offsets, t, "sum")
+        elif single:
             out = w.index_select(0, inverse)
         else:
             out = F.embedding_bag(inverse, w, offsets, mode="sum", include_last_offset=True)
@@ -92,7 +98,14 @@ def main() -> None:
     print("| kernels | threads | ms/step |\n|---|---|---|")
     for threads in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for name, step in (("fbgemm TBE: pool, backward, row-wise Adagrad fused", fused), ("the tier's", tier)):
+        for name, step in (
+            ("fbgemm TBE: pool, backward, row-wise Adagrad fused", fused),
+            ("the tier's, --kernels torch: index_select or embedding_bag, then the row update", tier),
+            (
+                "the tier's, --kernels fbgemm (default): TBE's forward and dense backward, then the row update",
+                lambda ids: tier(ids, "fbgemm"),
+            ),
+        ):
             for ids in batches[:10]:
                 step(ids)
             t0 = time.perf_counter()

@@ -94,12 +94,19 @@ def config(
     dim=None,
     restarts=True,
     write_every=0,
+    kernels=None,
 ) -> RunConfig:
     rows = rows or args.rows_per_table
     cfg = RunConfig(
         data=DataConfig(data=data_spec(args, rows), rows_per_table=rows, eval_samples=4096),
         model=ModelConfig(embedding_dim=dim or args.embedding_dim),
-        embeddings=EmbeddingConfig(embeddings=embeddings, shards=shards, prefetch=prefetch, write_every=write_every),
+        embeddings=EmbeddingConfig(
+            embeddings=embeddings,
+            shards=shards,
+            prefetch=prefetch,
+            write_every=write_every,
+            kernels=kernels or args.kernels,
+        ),
         optim=OptimConfig(optimizer=args.optimizer),
         train=TrainConfig(
             steps=args.steps + WARMUP_STEPS,  # timed: the steps after the warm-up, as the reference
@@ -271,7 +278,7 @@ def every_row_mb(rows: int, dim: int) -> float:
     return 26 * rows * ((dim + 1) * 4 + SLOT_OVERHEAD) / 2**20 * 1.001
 
 
-def preset_config(args, out: Path, embeddings: str) -> RunConfig:
+def preset_config(args, out: Path, embeddings: str, kernels=None) -> RunConfig:
     """``--preset``'s model, tables and multi-hot sizes (``recsys.config.PRESETS``), synthetic data
     generated in the step, 1 trainer; ``embeddings``: ``redis`` (2 local shards) or ``local``."""
     from recsys.config import PRESETS
@@ -280,7 +287,7 @@ def preset_config(args, out: Path, embeddings: str) -> RunConfig:
     for section, values in PRESETS[args.preset].items():
         sections[section].update(values)
     sections["data"].update(data="synthetic", eval_samples=4096)
-    sections["embeddings"].update(embeddings=embeddings, shards=2)
+    sections["embeddings"].update(embeddings=embeddings, shards=2, kernels=kernels or args.kernels)
     sections["optim"]["optimizer"] = args.optimizer
     sections["train"].update(
         steps=args.steps + WARMUP_STEPS,
@@ -299,12 +306,14 @@ def preset_rounds(args, tmp: Path) -> None:
     (``--embeddings local``) under ``--preset``, back to back, alternating which goes first, for
     ``max(--pairs, 1)`` rounds: samples/s after the warm-up and their ratio per round, and medians."""
     rounds = max(args.pairs, 1)
-    got: dict[str, list[float]] = {"local": [], "redis": []}
+    also = args.also_kernels
+    got: dict[str, list[float]] = {"local": [], "redis": [], "also": []}
     parts: dict[str, dict] = {}
     for i in range(rounds):
-        order = ("local", "redis") if i % 2 == 0 else ("redis", "local")
-        for kind in order:
-            s = run(preset_config(args, tmp / f"preset-{kind}-{i}", kind))
+        kinds = ("local", "redis") + (("also",) if also else ())
+        for kind in kinds if i % 2 == 0 else kinds[::-1]:
+            kernels = also if kind == "also" else None
+            s = run(preset_config(args, tmp / f"preset-{kind}-{i}", "redis" if kernels else kind, kernels))
             got[kind].append(tput(s))
             parts[kind] = step_parts(s)
     ratios = [r / f for r, f in zip(got["redis"], got["local"])]
@@ -318,6 +327,14 @@ def preset_rounds(args, tmp: Path) -> None:
     print(
         f"| Redis tier, 1 trainer, 2 shards | {tier} | {np.median(got['redis']):,.0f} | {ratio} | {np.median(ratios):.2f}x |"
     )
+    if also:
+        ratios = [r / f for r, f in zip(got["also"], got["local"])]
+        tier = ", ".join(f"{x:,.0f}" for x in got["also"])
+        ratio = ", ".join(f"{x:.2f}" for x in ratios)
+        print(
+            f"| Redis tier, 1 trainer, 2 shards, --kernels {also} | {tier} | {np.median(got['also']):,.0f} | {ratio} "
+            f"| {np.median(ratios):.2f}x |"
+        )
     try:
         s = limit_run(preset_config(args, tmp / "preset-limit", "redis"))
         parts["limit"] = step_parts(s)
@@ -372,6 +389,18 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="the tier's goal configuration also with this --write-every (default 1: rows written every step; "
         "0: no such row)",
+    )
+    ap.add_argument(
+        "--kernels",
+        default="fbgemm",
+        choices=["fbgemm", "torch"],
+        help="the tier's pooling and its backward in every tier run (recsys train --kernels; default fbgemm)",
+    )
+    ap.add_argument(
+        "--also-kernels",
+        default="",
+        choices=["", "fbgemm", "torch"],
+        help="--pairs and --preset rounds: the tier's goal configuration also with these kernels (default: no such row)",
     )
     ap.add_argument(
         "--data",
@@ -526,11 +555,22 @@ def measure(args) -> tuple[list, list, list]:
                 measures.append(
                     lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
                 )
+            also = args.also_kernels
+            if also:
+                measures.append(
+                    lambda i=i, also=also: run(
+                        config(args, Path(tmp) / f"pair-{also}-{i}", "redis", 2, False, 1, kernels=also)
+                    )
+                )
             n = len(measures)
             order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
             got = {j: measures[j]() for j in order}
-            pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k else None))
-            threads.append([g.get("training_thread_ms") or {} for g in (got[2], got.get(3)) if g is not None])
+            pairs.append(
+                (got[0], got[1], tput(got[2]), tput(got[3]) if k else None, tput(got[n - 1]) if also else None)
+            )
+            threads.append(
+                [g.get("training_thread_ms") or {} for g in (got[2], got.get(3) if k else None) if g is not None]
+            )
     return rows, pairs, threads
 
 
@@ -557,8 +597,10 @@ def print_table(args, rows: list) -> None:
 
 
 def print_pairs(args, pairs: list, threads: list) -> None:
-    k = args.write_every
-    win = [f"tier, --write-every {k}", "x fused"] if k else []
+    k, also = args.write_every, args.also_kernels
+    win = ([f"tier, --write-every {k}", "x fused"] if k else []) + (
+        [f"tier, --kernels {also}", "x fused"] if also else []
+    )
     print(
         "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards, defaults) "
         "| x fused (faster) | "
@@ -568,16 +610,22 @@ def print_pairs(args, pairs: list, threads: list) -> None:
         + " |"
     )
     print("|---" * (7 + len(win)) + "|")
-    names = ["plain", "loop", "tier"] + ([f"w{k}"] if win else [])
-    for i, ((plain, local, tier, window), ths) in enumerate(zip(pairs, threads)):
+    names = ["plain", "loop", "tier"] + ([f"w{k}"] if k else []) + ([also] if also else [])
+    for i, ((plain, local, tier, window, other), ths) in enumerate(zip(pairs, threads)):
         order = ", ".join(names if i % 2 == 0 else names[::-1])
         split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
         best = max(plain, local)
-        extra = f"{window:,.0f} | {window / best:.2f}x | " if win else ""
+        extra = (f"{window:,.0f} | {window / best:.2f}x | " if k else "") + (
+            f"{other:,.0f} | {other / best:.2f}x | " if also else ""
+        )
         print(
             f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
         )
-    for what, at in [("tier, defaults", 2)] + ([(f"tier --write-every {k}", 3)] if win else []):
+    for what, at in (
+        [("tier, defaults", 2)]
+        + ([(f"tier --write-every {k}", 3)] if k else [])
+        + ([(f"tier --kernels {also}", 4)] if also else [])
+    ):
         ratios = sorted(r[at] / max(r[0], r[1]) for r in pairs)
         print(
             f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
