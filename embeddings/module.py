@@ -582,7 +582,8 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if track:
             rows.requires_grad_(True)
             self._track(dim, keys, [rows])
-        if self._kernels == "fbgemm" and kernels.applies(rows, self._mode, ctx.weights):
+        every = len(ctx.offsets) == num * batch + 1  # as many bags for every feature (no variable batch)
+        if self._kernels == "fbgemm" and every and kernels.applies(rows, self._mode, ctx.weights):
             # fbgemm's TBE forward and backward (``embeddings.kernels``): [B, num_features * dim] at once
             values = kernels.pool(rows, ctx.inverse, ctx.offsets, num, self._mode)
             return KeyedTensor(keys=self._output_keys, length_per_key=[dim] * num, values=values, key_dim=1)

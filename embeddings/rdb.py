@@ -192,8 +192,10 @@ _SLOT_INFO, _MODULE_AUX = 0xF4, 0xF7  # Redis 7.4+ cluster nodes: slot sizes bef
 
 
 class _Reader:
-    def __init__(self, buf, source: str) -> None:
+    def __init__(self, buf, source: str, raw=None) -> None:
         self.buf, self.pos, self.source = buf, 0, source
+        # the same bytes as an object whose slices are bytes (a file's mmap), for ``_buckets``
+        self.raw = raw
         self.db, self.functions = 0, 0  # the database its keys are in now; function libraries seen
 
     def fail(self, why: str):
@@ -330,7 +332,7 @@ def _mapped(path: str | os.PathLike, populate: bool = False) -> Iterator[_Reader
         if os.fstat(f.fileno()).st_size == 0:
             raise ShardDataError(f"snapshot {path}: empty file")
         with mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as mm:
-            r = _Reader(memoryview(mm), str(path))
+            r = _Reader(memoryview(mm), str(path), raw=mm)
             try:
                 yield r
             finally:
@@ -543,8 +545,9 @@ def _buckets(r: _Reader, prefix: bytes, most: int = 4 << 20) -> list[tuple[bytes
     """``_spans``' common case, read inline: (key, start, end) of the keys that follow while they
     are uncompressed listpack hashes of ``prefix`` with short keys (a row bucket, its length in 14
     or 32 bits), for about ``most`` bytes of the file; anything else is left to the generic reader."""
-    # the file's mmap itself where it is one: its slices are bytes at once, and cost half a view's
-    buf = r.buf.obj if isinstance(r.buf.obj, mmap.mmap) else bytes(r.buf)
+    # the file's mmap itself where the reader has it: its slices are bytes at once, and cost half a
+    # view's (any other reader's bytes are copied once a call)
+    buf = r.raw if r.raw is not None else r.buf.tobytes()
     size, out, p = len(buf), [], r.pos
     stop = min(size, p + most)
     while p < stop:

@@ -153,8 +153,9 @@ class EmbeddingConfig:
     """Deadline of every store call; a shard that does not answer in time is failed."""
     kernels: Literal["fbgemm", "torch"] = "fbgemm"
     """The tier's pooling and its backward: ``fbgemm``, TBE's host kernels (the fused engine's own:
-    ``embeddings.kernels``) for every unweighted call; ``torch``, ``index_select`` and
-    ``embedding_bag`` (the path weighted bags always take). The update is the store's optimizer
+    ``embeddings.kernels``) for every unweighted call over one dim's tables that each feed one
+    feature with one pooling (the DLRM and DCN presets' shape); ``torch``, ``index_select`` and
+    ``embedding_bag`` (the path every other call takes). The update is the store's optimizer
     either way, after the trainers' row gradients are summed."""
     prefetch: bool = False
     """Pull the next batch's rows while this batch computes (not where one trainer holds every table:

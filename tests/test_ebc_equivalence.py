@@ -553,3 +553,29 @@ def test_adagrad_keywords_out_of_range_are_refused_in_one_line():
         for field in ("lr_decay", "weight_decay", "initial_accumulator_value"):
             with pytest.raises(ValueError, match=rf"^{cls.__name__} {field}=-0.5 must be >= 0$"):
                 cls(lr=0.1, **{field: -0.5})
+
+
+@pytest.mark.parametrize("case", ["dlrm", "dims", "shared"])
+def test_both_kernels_train_to_the_same_rows(case):
+    """fbgemm's TBE forward and dense backward against torch's ``index_select`` and
+    ``embedding_bag``: 5 steps of row-wise Adagrad end with the same rows and state, but for the
+    last bit of a row's gradient (TBE sums a row's contributions in its own order)."""
+    make, weighted, single = CASES[case]
+    configs = make()
+    got = []
+    for kernels in ("fbgemm", "torch"):
+        store = make_store(configs, "adagrad")
+        ours = StoreEmbeddingBagCollection(configs, store, kernels=kernels)
+        proj = projection(configs)
+        for kjt in batches(configs, weighted, single, np.random.default_rng(7)):
+            loss_of(ours(kjt), proj).backward()
+            ours.apply_gradients()
+        got.append({c.name: store.read_rows(c.name, np.arange(c.num_embeddings)) for c in configs})
+    for c in configs:
+        np.testing.assert_allclose(got[0][c.name], got[1][c.name], rtol=1e-6, atol=1e-7)
+
+
+def test_an_unknown_kernels_value_is_refused_in_one_line():
+    configs = CASES["dlrm"][0]()
+    with pytest.raises(ValueError, match="kernels='tbe': one of fbgemm, torch"):
+        StoreEmbeddingBagCollection(configs, make_store(configs, "sgd"), kernels="tbe")

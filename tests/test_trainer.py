@@ -137,6 +137,7 @@ def test_cli_run_writes_all_outputs(tmp_path):
         (["--steps", "ten"], "--steps 'ten': not a valid int"),
         (["--embeddings", "local", "--trainers", "2"], "trainers=2: the local torchrec baseline runs in one process"),
         (["--write-every", "-1"], "write_every=-1: must be >= 1"),
+        (["--kernels", "tbe"], "kernels='tbe': must be fbgemm or torch"),
         (["--prefetch", "--no-prefetch"], "--prefetch and --no-prefetch: give one"),
         (["--write-every", "8", "--trainers", "2"], "write_every=8: windows are written behind by one trainer"),
     ],
