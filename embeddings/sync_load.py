@@ -6,7 +6,7 @@ process answers the replica's handshake as a primary would (``+PONG``, ``+OK``,
 payload, from the file's mapped bytes; the server loads it from the socket
 (``repl-diskless-load on-empty-db`` for the load, its own setting put back after) with the same
 code that loads its own file at start, then is told ``REPLICAOF NO ONE``. A shard loads this way
-in 1.24-1.36x the time Redis takes to load the file from its own disk (263 MB to 4 GB files).
+in 1.31-1.36x the time Redis takes to load the file from its own disk (263 MB to 4 GB files).
 
 Before anything is sent, the whole file is checked as the ``RESTORE`` path checks it (its CRC-64,
 each row bucket's framing, the first bucket of each table against the run's layout, every key's
