@@ -568,6 +568,7 @@ def _buckets(r: _Reader, prefix: bytes, most: int = 4 << 20) -> list[tuple[bytes
         if end > size or not key.startswith(prefix):
             break
         if n < 7 or buf[end - 1] != 0xFF or int.from_bytes(buf[start : start + 4], "little") != n:
+            r.pos = p  # the error names this bucket's place
             _frame(r, key, start, n)  # says which, in one line
         out.append((key, at, end))
         p = end
