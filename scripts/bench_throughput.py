@@ -349,6 +349,8 @@ def preset_rounds(args, tmp: Path) -> None:
 
 def main() -> None:
     args = parser().parse_args()
+    if args.also_kernels and args.also_kernels == args.kernels:
+        raise SystemExit(f"--also-kernels {args.also_kernels}: the tier's runs already use --kernels {args.kernels}")
     if args.preset:
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
