@@ -199,7 +199,7 @@ def preprocess(
 
     Two passes: count lines, then fill preallocated memory maps, so memory stays at one chunk.
     """
-    from tqdm import tqdm
+    from data.progress import progress as show_progress
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def preprocess(
     }
     reader = CriteoTsvReader([src], skip_malformed=skip_malformed)
     n = 0
-    with tqdm(total=capacity, desc=f"preprocess {Path(src).name}", unit="rows", disable=not progress) as bar:
+    with show_progress(total=capacity, desc=f"preprocess {Path(src).name}", unit="rows", disable=not progress) as bar:
         for chunk in reader:
             k = len(chunk.labels)
             maps["dense"][n : n + k] = chunk.dense

@@ -42,8 +42,8 @@ import math
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from data.progress import progress
 from recovery import layout
 from recovery.strategy import Strategy
 from recsys.bench_scaling import bench_scaling, parse_size  # noqa: F401 - parse_size: this module's API too
@@ -228,7 +228,7 @@ def bench_strategies(args) -> list[dict]:
     if "none" not in strategies:
         strategies.insert(0, "none")
     summaries = {}
-    for strategy in tqdm(strategies, desc="bench-recovery", unit="run"):
+    for strategy in progress(strategies, desc="bench-recovery", unit="run"):
         cfg = _config(args, out / strategy, strategy, schedule)
         summaries[strategy] = run(cfg)
     ref = summaries["none"]
@@ -304,7 +304,7 @@ def bench_sweep(args) -> list[dict]:
         (s, k, d) for d in range(args.draws) for s, ks in per_strategy.items() for k in sorted(set(ks))
     ]
     summaries = {}
-    for strategy, k, d in tqdm(runs, desc="sweep", unit="run"):
+    for strategy, k, d in progress(runs, desc="sweep", unit="run"):
         name = f"{strategy}-{k}" + (f"-draw{d}" if args.draws > 1 else "")
         cfg = _config(args, out / name, strategy, schedules[d], checkpoint_every=k)
         summaries[(strategy, k, d)] = (args.reuse and _finished(cfg)) or run(cfg)

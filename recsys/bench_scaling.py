@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+
+from data.progress import progress
 
 DIM = 64
 HSET_UP_TO = 10**9  # the older path's column is measured up to this many bytes a shard (20 s per GB)
@@ -65,7 +66,7 @@ def bench_scaling(args) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     rows: list[dict] = []
-    for size in tqdm(args.scaling_sizes, desc="scaling", unit="size"):
+    for size in progress(args.scaling_sizes, desc="scaling", unit="size"):
         rows.append(scaling_row(args, size, out, rng))
         md = write_tables(rows, out, args.scaling_shards)  # after each size: a long run keeps what it measured
     print(md)

@@ -294,7 +294,8 @@ class TrainConfig:
     """Also write the metrics and failures as TensorBoard events in ``{out}/tensorboard`` (needs the
     ``tensorboard`` package: ``pip install .[tensorboard]``)."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: a bar on a terminal; where stderr is a file or a pipe, a plain line
+    (step, samples/s, loss, the last AUC) at every tenth of the steps and at least every 10 s."""
     threads: int = 0
     """torch intra-op threads per trainer; 0: the host's cores left after the local Redis servers
     (``--redis local``), split over the trainers, at least 1. Cores the servers need are not given to

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from data.batches import BatchReader, make_batch
+from data.progress import progress
 from embeddings.launcher import ShardSpec
 from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
@@ -267,13 +268,12 @@ class Trainer:
             if self.rank == 0:
                 reserve_space(Path(self.cfg.train.out))  # room for a traceback should the disk fill up
             self.resume()
-            bar = tqdm(
+            bar = progress(  # a bar on a terminal, a plain line now and then in a file or a pipe
                 total=self.steps,
                 initial=self.step - 1,
                 desc="train",
                 unit="step",
                 disable=self.rank != 0 or not self.cfg.train.progress,
-                dynamic_ncols=True,
             )
             self.t0 = time.perf_counter()
             self._first_step = self.step
@@ -314,7 +314,9 @@ class Trainer:
             self._shown_loss = recent[-1]["loss"]
         if self._shown_loss is not None:
             auc = {"auc": f"{self.last_eval['auc']:.4f}"} if self.last_eval else {}
-            bar.set_postfix(loss=f"{self._shown_loss:.4f}", **auc, refresh=False)
+            elapsed = time.perf_counter() - self.t0
+            rate = (self.step - self._first_step + 1) * self.batch_size / elapsed if elapsed > 0 else 0.0
+            bar.set_postfix(samples_per_s=f"{rate:,.0f}", loss=f"{self._shown_loss:.4f}", **auc, refresh=False)
         bar.refresh()
 
     def train_step(self, batch) -> tuple[Outcome, object, torch.Tensor | None]:

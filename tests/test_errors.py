@@ -173,3 +173,18 @@ def test_a_refused_resume_is_decided_before_torch_is_imported(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
     assert "no config.toml there" in proc.stderr
+
+
+def test_output_to_files_is_lines_not_a_redrawn_bar(tmp_path):
+    """With no terminal (stdout and stderr are files here), progress is a plain line now and then:
+    step, samples/s, loss and the last AUC; no line of carriage-return redraws."""
+    flags = ["--steps", "200", "--eval-every", "100", "--write-every", "1", "--recovery", "log"]
+    proc = cli(tmp_path, *flags, "--inject", "shard:1@step=50")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).split("\n")
+    assert "\r" not in proc.stderr and max(len(x) for x in lines) < 2000
+    shown = [x for x in proc.stderr.splitlines() if x.startswith("train: step ")]
+    assert 10 <= len(shown) <= 12, shown  # a tenth of the work a line (and the end)
+    assert shown[-1].startswith("train: step 200/200 (100%), samples/s ") and ", loss " in shown[-1]
+    assert ", auc 0." in shown[-1]
+    assert any(x.startswith("failure: shard 1 at step 50: log") for x in proc.stderr.splitlines())  # its own line
