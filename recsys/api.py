@@ -177,10 +177,12 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     """Read a run folder back (what ``train`` wrote there)."""
+    from recsys.rundir import run_config
+
     p = Path(path)
     if not layout.config_file(p).is_file():
         raise ConfigError(f"{p}: not a run folder (no {layout.CONFIG})")
-    cfg = RunConfig.from_toml(layout.config_file(p))
+    cfg = run_config(p)  # where the folder lies now
     summary = None
     if layout.summary_file(p).is_file():
         try:

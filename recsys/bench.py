@@ -377,10 +377,11 @@ def per_interval(rows: list[dict]) -> list[dict]:
 def _finished(cfg) -> dict | None:
     """--reuse: the summary of a finished run of exactly this config in its folder, if there is one."""
     from recsys.config import RunConfig
+    from recsys.outputs import recorded
 
     folder = Path(cfg.train.out)
     try:
-        if RunConfig.from_toml(layout.config_file(folder)).to_dict() != cfg.to_dict():
+        if RunConfig.from_toml(layout.config_file(folder)).to_dict() != recorded(cfg).to_dict():
             return None
         return json.loads(layout.summary_file(folder).read_text())
     except (OSError, ValueError, ConfigError):

@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             from recsys.verify import VerifyError, verify
 
             try:
-                code, line = verify(args.run)
+                code, line = verify(args.run, say=lambda x: print(x, file=sys.stderr))
             except VerifyError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2

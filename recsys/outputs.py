@@ -63,13 +63,29 @@ class TensorBoardEvents:
         self.writer.close()
 
 
+def recorded(cfg: RunConfig) -> RunConfig:
+    """``cfg`` as ``config.toml`` records it: its folders absolute, so that a command reading the run
+    later knows which lay inside the run folder (``recsys.rundir.run_config`` takes those where the
+    folder lies then) and which outside it, wherever it is started from."""
+    import dataclasses
+    import os
+
+    rc = cfg.recovery
+    dirs = {k: os.path.abspath(v) for k, v in (("checkpoint_dir", rc.checkpoint_dir), ("log_dir", rc.log_dir)) if v}
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, out=os.path.abspath(cfg.train.out)),
+        recovery=dataclasses.replace(rc, **dirs),
+    )
+
+
 class RunOutputs:
     """Writer of a run directory (rank 0 only)."""
 
     def __init__(self, cfg: RunConfig, append: bool = False) -> None:
         self.dir = Path(cfg.train.out)
         layout.plots_dir(self.dir).mkdir(parents=True, exist_ok=True)
-        write_atomic(layout.config_file(self.dir), cfg.to_toml())
+        write_atomic(layout.config_file(self.dir), recorded(cfg).to_toml())
         path = layout.metrics_file(self.dir)
         # a restarted trainer group continues the run's metrics
         self.records: list[dict] = (

@@ -282,6 +282,47 @@ def torchrun_identity(out: str | os.PathLike, namespace: str, resume: bool = Fal
     return run_id, namespace or f"run-{run_id[:10]}", True
 
 
+# -- reading a run folder back ----------------------------------------------------------------------
+def run_config(run_dir: str | Path, who: str = "") -> RunConfig:
+    """The config of the run in ``run_dir``, its paths taken where the folder lies now: a run folder
+    can be copied, moved or archived, and every command reads the folder it is given, never the
+    path the run was started with. ``train.out`` is ``run_dir``; a ``--checkpoint-dir`` or
+    ``--log-dir`` that lay inside the run's folder is taken inside ``run_dir``; one given outside it
+    is kept as the run recorded it (``outside_paths`` names it). ``ConfigError`` in one line
+    (``who``: the command) where there is no config or it does not read."""
+    run_dir = Path(run_dir)
+    who = f"{who} {run_dir}" if who else str(run_dir)
+    path = layout.config_file(run_dir)
+    if not path.is_file():
+        raise ConfigError(f"{who}: no {path.name} there (not the folder of a run)")
+    try:
+        d = RunConfig.from_toml(path).to_dict()
+    except ValueError as e:  # a field the config's own checks refuse
+        raise ConfigError(f"{who}: {path}: {e}") from None
+    was = os.path.abspath(d["train"]["out"])
+    d["train"]["out"] = str(run_dir)
+    for key in ("checkpoint_dir", "log_dir"):
+        given = d["recovery"][key]
+        if given:
+            rel = os.path.relpath(os.path.abspath(given), was)
+            if rel == "." or not rel.startswith(".."):  # inside the run's folder: where that lies now
+                d["recovery"][key] = str(run_dir / rel) if rel != "." else str(run_dir)
+    return RunConfig.from_dict(d, source=str(path))
+
+
+def outside_paths(cfg: RunConfig, who: str) -> list[str]:
+    """A line per durable folder of the run that lies outside its folder (``--checkpoint-dir``,
+    ``--log-dir`` given elsewhere): the command ``who`` reads it there, and says so."""
+    out = os.path.abspath(cfg.train.out)
+    lines = []
+    for flag, folder in (("--checkpoint-dir", cfg.checkpoint_dir), ("--log-dir", cfg.log_dir)):
+        if folder and os.path.relpath(os.path.abspath(folder), out).startswith(".."):
+            lines.append(
+                f"{who}: reads {flag} {folder}, outside the run folder {cfg.train.out} (as the run recorded it)"
+            )
+    return lines
+
+
 def resume_config(run_dir: str | Path) -> RunConfig:
     """The config of the run in ``run_dir``, with its namespace: what ``--resume`` starts from.
     A run that finished is refused (``ConfigError``): its results are kept."""
@@ -290,9 +331,8 @@ def resume_config(run_dir: str | Path) -> RunConfig:
         if not (run_dir / name).is_file():
             raise ConfigError(f"--resume {run_dir}: no {name} there (not the folder of a run that started)")
     check_unfinished(run_dir, f"--resume {run_dir}")
-    cfg = RunConfig.from_toml(layout.config_file(run_dir))
+    cfg = run_config(run_dir, "--resume")  # where the folder lies now: a moved run resumes into itself
     namespace = read_run_file(run_dir)["namespace"]
     d = cfg.to_dict()
     d["embeddings"]["namespace"] = namespace
-    d["train"]["out"] = str(run_dir)
     return RunConfig.from_dict(d, source=str(layout.config_file(run_dir)))

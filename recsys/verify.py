@@ -13,12 +13,20 @@ compares the result with:
   (servers the project did not start keep the run's rows under its namespace), else the weights of
   ``final_model.pt`` (``--save-model``).
 
+Every durable file ``verify`` does not read is named on a line of its own: a checkpoint that fails its
+checksum, or the one the logs were kept for (a segment starts after each checkpoint) gone missing;
+the check then ends in exit 1 even where what it could read agrees. Its closing line says from which
+step the rows were rebuilt and how many logged steps that covers (none, when the base is the last
+step's checkpoint: it says so). The folder it reads is the one it is given (a copied or moved run
+reads its own files); a ``--checkpoint-dir`` or ``--log-dir`` the run was given outside its folder is
+read where the run recorded it, and a line says so.
+
 Under ``partial`` with update logs (``--log-dir``) a shard restored from a checkpoint is rebuilt as
 it was restored: from that checkpoint (still kept) and its log from the failing step on (what came
-between was lost, and counted). Equal: one line, exit 0. Not equal: one line naming the shard, table and first differing row (or
-the digest where no rows are at hand), exit 1. A run without a complete log (any other strategy)
+between was lost, and counted). Equal: one line, exit 0. Not equal, or a log segment damaged or missing: one line naming the
+shard, table and first differing row (or the digest where no rows are at hand, or the segment), exit 1. A run without a complete log (any other strategy)
 cannot be rebuilt: ``verify`` says so and checks what it can (the checkpoints' checksums). Bad
-input (not a run folder, an unfinished run, a log with a gap) is one line, exit 2.
+input (not a run folder, an unfinished run) is one line, exit 2.
 
 The tables are rebuilt in this process's memory: the run's tables must fit in it.
 """
@@ -38,15 +46,14 @@ class VerifyError(Exception):
 
 
 def _config(run: Path):
-    from recsys.config import ConfigError, RunConfig
+    """The run's config, its paths in the folder given (``recsys.rundir.run_config``)."""
+    from recsys.config import ConfigError
+    from recsys.rundir import run_config
 
-    path = layout.config_file(run)
-    if not path.is_file():
-        raise VerifyError(f"verify {run}: no {path.name} there (not the folder of a run)")
     try:
-        return RunConfig.from_toml(path)
-    except (ConfigError, ValueError, OSError) as e:
-        raise VerifyError(f"verify {run}: {path}: {e}") from None
+        return run_config(run, "verify")
+    except (ConfigError, OSError) as e:
+        raise VerifyError(str(e)) from None
 
 
 def _summary(run: Path) -> dict:
@@ -81,7 +88,6 @@ def rebuild(cfg, store, ckpt, steps: int, restores: dict | None = None) -> dict[
     (the records before it were lost, and counted)."""
     from embeddings import rowkeys
     from embeddings.rdb import group_rows, read_keys
-    from recovery.errors import LogGapError
     from recovery.log import ShardLog
 
     tables = {}
@@ -98,10 +104,7 @@ def rebuild(cfg, store, ckpt, steps: int, restores: dict | None = None) -> dict[
             rows, _ = group_rows(read_keys(base.shard_file(s), f"{ns}:".encode()), ns, store.layout, widths)
             for t, (ids, values) in rows.items():
                 tables[t][ids] = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
-        try:
-            records, _ = ShardLog(cfg.log_dir, s).replay(after, steps)
-        except LogGapError as e:
-            raise VerifyError(f"verify: {e}") from None
+        records, _ = ShardLog(cfg.log_dir, s).replay(after, steps)  # LogGapError: a damaged or missing segment
         for r in records:  # in log order: a row's newest record is written last
             if len(r.ids):
                 tables[r.table][r.ids] = r.rows
@@ -159,15 +162,40 @@ def _final_rows(cfg, store, run: Path) -> tuple[str, dict[int, np.ndarray]] | No
     return None
 
 
-def verify(run_dir: str | Path) -> tuple[int, str]:
-    """-> (exit status, the one line to print)."""
+def log_reach(cfg, num_shards: int) -> int | None:
+    """The step the update logs start after: a segment starts after each checkpoint, so the oldest
+    base the logs were kept for. None where no shard has a segment."""
+    firsts = [
+        layout.segment_first_step(segs[0]) for s in range(num_shards) if (segs := layout.log_segments(cfg.log_dir, s))
+    ]
+    return min(firsts) - 1 if firsts else None
+
+
+def missing_base(cfg, ckpt, reach: int | None, bad: list[str]) -> str:
+    """The checkpoint the logs were kept for, where it is gone without a trace (one that fails its
+    checksum is in ``bad``): a line naming it, or ''."""
+    used = ckpt.step if ckpt is not None else 0
+    if reach is None or reach == 0 or reach >= used:  # step 0's base is the empty shards
+        return ""
+    folder = layout.step_dir(cfg.checkpoint_dir, reach)
+    if any(folder.name in b for b in bad):
+        return ""
+    return f"{folder}: missing, yet the logs start after step {reach}: they were kept for it"
+
+
+def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
+    """-> (exit status, the closing line to print). ``say``: a line to show before it (a durable
+    folder read outside the run's own, a file skipped)."""
+    from recovery.errors import LogGapError
     from recovery.strategy import Strategy
     from recsys.backends import open_store
     from recsys.outputs import embedding_digest
-    from recsys.rundir import read_run_file
+    from recsys.rundir import outside_paths, read_run_file
 
     run = Path(run_dir)
     cfg = _config(run)
+    for line in outside_paths(cfg, "verify"):
+        say(line)
     summary = _summary(run)
     try:
         namespace = read_run_file(run, "verify")["namespace"]
@@ -185,11 +213,25 @@ def verify(run_dir: str | Path) -> tuple[int, str]:
         )
     steps = int(summary["steps_completed"])
     n = len(cfg.embeddings.urls) or cfg.embeddings.shards
+    ckpt = good[-1] if good else None  # the oldest kept: the logs reach back to it
+    # every durable file the check does not read is named, and fails it: never a clean 0
+    skipped = [b for b in [*bad, missing_base(cfg, ckpt, log_reach(cfg, n), bad)] if b]
+    for line in skipped:
+        say(f"verify: skipped {line}")
+    base = f"checkpoint {ckpt.step}" if ckpt else "empty shards"
+    first = ckpt.step if ckpt else 0
+    covered = (
+        f"{steps - first} logged step(s), {first + 1}..{steps}"
+        if steps > first
+        else "no logged step: the rows are the checkpoint's own, the logs are not checked"
+    )
     urls = cfg.embeddings.urls or ["redis://127.0.0.1:1"] * n  # local shards ended with the run: never dialled
     store = open_store(cfg, urls, namespace, replicas=False)
     try:
-        ckpt = good[-1] if good else None  # the oldest kept: the logs reach back to it
-        tables = rebuild(cfg, store, ckpt, steps, lossy_restores(run, strategy, good))
+        try:
+            tables = rebuild(cfg, store, ckpt, steps, lossy_restores(run, strategy, good))
+        except LogGapError as e:  # a durable file damaged or gone: the check fails, naming it
+            return 1, f"{run}: the rows cannot be rebuilt from {base}: {e}"
         names = [spec.name for spec in store.tables.specs]
         digest = embedding_digest((names[t], [rows]) for t, rows in tables.items())
         final = _final_rows(cfg, store, run)
@@ -202,9 +244,8 @@ def verify(run_dir: str | Path) -> tuple[int, str]:
                     row = int(diff[0])
                     shard = int(store.shard_map.shard_of(t, np.array([row]))[0])
                     return 1, (
-                        f"{run}: shard {shard}, table {names[t]}, row {row}: rebuilt from "
-                        f"{'checkpoint ' + str(ckpt.step) if ckpt else 'empty shards'} and the logs to step {steps} "
-                        f"it differs from {where} ({len(diff)} rows of the table differ)"
+                        f"{run}: shard {shard}, table {names[t]}, row {row}: rebuilt from {base} and the logs to "
+                        f"step {steps} it differs from {where} ({len(diff)} rows of the table differ)"
                     )
         expected = summary.get("embedding_digest")
         if expected is not None and expected != digest:
@@ -218,11 +259,13 @@ def verify(run_dir: str | Path) -> tuple[int, str]:
                 1,
                 f"{run}: the run kept no digest (--digest-max-rows) and no final rows are at hand: nothing to compare",
             )
-        base = f"checkpoint {ckpt.step}" if ckpt else "empty shards"
         checked = " and ".join(x for x in ("the digest" if expected else "", final[0] if final else "") if x)
-        return 0, (
-            f"{run}: {n} shards rebuilt from {base} and their logs to step {steps} equal the run's final rows "
-            f"({checked})"
+        line = (
+            f"{run}: {n} shards rebuilt from {base} and their logs to step {steps} ({covered}) equal the run's "
+            f"final rows ({checked})"
         )
+        if skipped:
+            return 1, f"{line}; but {len(skipped)} durable file(s) were skipped (named above): not a full check"
+        return 0, line
     finally:
         store.close()

@@ -83,6 +83,52 @@ def test_the_crashed_run_resumes_bit_for_bit(copy, baseline):
     assert s["embedding_digest"] == baseline["embedding_digest"] and s["pls"] == 0.0
 
 
+def verify(run: Path) -> tuple[int, list[str]]:
+    proc = procs.run(["-m", "recsys", "verify", str(run)], timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return proc.returncode, (proc.stderr + proc.stdout).strip().splitlines()
+
+
+def test_a_moved_run_resumes_into_its_new_folder_and_every_copy_verifies_its_own_files(tmp_path, crashed_log, baseline):
+    """A run folder is self-contained: moved, it resumes into itself (nothing at the old path) and
+    verifies; a copy with a damaged log fails on its own segment while the original passes; a damaged
+    or missing oldest checkpoint is named, and fails the check."""
+    first = tmp_path / "a" / "run"
+    shutil.copytree(crashed_log, first)
+    moved = tmp_path / "b" / "moved"
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    s = train_cli(moved, "--resume", str(moved))
+    assert s["embedding_digest"] == baseline["embedding_digest"] and s["pls"] == 0.0
+    assert not first.exists() and not (crashed_log / "summary.json").exists()
+    code, lines = verify(moved)
+    assert code == 0 and len(lines) == 1 and "equal the run's final rows" in lines[0], lines
+    assert str(moved) in lines[0] and "logged step(s)" in lines[0], lines
+
+    damaged = tmp_path / "bad-log"
+    shutil.copytree(moved, damaged)
+    seg = ShardLog(damaged / "logs", 1).segments()[0]
+    flip(seg)
+    code, lines = verify(damaged)
+    assert code == 1 and str(seg) in lines[-1] and "fails its CRC" in lines[-1], lines
+    assert verify(moved)[0] == 0  # the original: its own files, intact
+
+    oldest = sorted((moved / "checkpoints").glob("step_*"))[0]
+    for what in ("damaged", "missing"):
+        dup = tmp_path / f"{what}-base"
+        shutil.copytree(moved, dup)
+        base = dup / "checkpoints" / oldest.name
+        if what == "damaged":
+            flip(base / "shard1.rdb")
+        else:
+            shutil.rmtree(base)
+        code, lines = verify(dup)
+        skipped = [x for x in lines if x.startswith("verify: skipped")]
+        assert code == 1 and len(skipped) == 1 and str(base) in skipped[0], lines
+        assert ("shard1.rdb" in skipped[0]) if what == "damaged" else ("missing" in skipped[0]), lines
+        assert "skipped (named above): not a full check" in lines[-1], lines
+
+
 def test_a_torn_record_of_a_step_the_resume_does_not_need_is_harmless(copy, baseline):
     d = dense_step(copy)
     for shard in (0, 1):

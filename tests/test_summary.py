@@ -48,3 +48,26 @@ def test_tables_over_digest_max_rows_end_without_a_digest_and_say_so(tmp_path):
     run = load_run(tmp_path / "a")
     with pytest.raises(AssertionError, match="no embedding digest"):
         assert_same_embeddings(run, run)
+
+
+def test_a_run_folder_is_read_where_it_lies_and_names_the_folders_outside_it(tmp_path):
+    """``config.toml`` records the run's folders absolute; read back from another place, the folders
+    that lay inside the run's are taken inside the folder given, those outside it are kept and named."""
+    from recovery import layout
+    from recsys.config import RunConfig
+    from recsys.outputs import recorded
+    from recsys.rundir import outside_paths, run_config
+
+    was, elsewhere = tmp_path / "was", tmp_path / "elsewhere-logs"
+    folders = {"recovery": "log", "checkpoint_dir": str(was / "ck"), "log_dir": str(elsewhere)}
+    cfg = RunConfig.from_dict({"train": {"out": str(was)}, "recovery": folders})
+    was.mkdir()
+    layout.config_file(was).write_text(recorded(cfg).to_toml())
+    now = tmp_path / "moved"
+    was.rename(now)
+    got = run_config(now, "verify")
+    assert got.train.out == str(now) and got.checkpoint_dir == str(now / "ck") and got.log_dir == str(elsewhere)
+    (line,) = outside_paths(got, "verify")
+    assert line.startswith(f"verify: reads --log-dir {elsewhere}, outside the run folder {now}"), line
+    default = run_config(now)  # the default folders follow the run's folder
+    assert layout.config_file(now).read_text().count(str(was)) == 2 and default.train.out == str(now)
