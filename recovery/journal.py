@@ -128,6 +128,14 @@ class Journal:
             rolled = 0  # counted once, on the first
 
 
+def stale_words(recs: list[dict]) -> str:
+    """What training through relaxed, beside the updates lost: ", N rows read stale, M updates
+    applied late" ('' where nothing was)."""
+    stale = sum(int(r.get("rows_read_fallback") or 0) for r in recs)
+    late = sum(int(r.get("updates_applied_late") or 0) for r in recs)
+    return f", {stale:,} rows read stale, {late:,} updates applied late" if stale or late else ""
+
+
 def failure_line(rec: dict) -> str:
     """A failure as the terminal says it: what failed at which step, how it came back, what it lost."""
     how = str(rec.get("strategy", "?"))
@@ -136,6 +144,7 @@ def failure_line(rec: dict) -> str:
     lost = f"{int(rec.get('lost_updates') or 0):,} updates lost"
     if rec.get("lost_samples"):
         lost += f" ({rec['lost_samples']:,.1f} samples)"
+    lost += stale_words([rec])
     through = f", trained through {rec['trained_through_steps']} steps" if rec.get("trained_through_steps") else ""
     return (
         f"failure: {rec.get('kind', 'shard')} {rec.get('target')} at step {rec.get('step')}: {how}, "

@@ -493,6 +493,11 @@ def failures_line(summary: dict) -> str:
     for f in failures:
         kinds[str(f.get("kind", "shard"))] = kinds.get(str(f.get("kind", "shard")), 0) + 1
     what = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    from recovery.journal import stale_words
+
     lost = sum(int(f.get("lost_updates") or 0) for f in failures)
     pls = float(summary.get("pls") or 0.0)
-    return f"failures: {len(failures)} ({what}), {lost:,} updates lost, PLS {pls:.6f} ({100 * pls:.4f}% of samples)"
+    return (
+        f"failures: {len(failures)} ({what}), {lost:,} updates lost{stale_words(failures)}, "
+        f"PLS {pls:.6f} ({100 * pls:.4f}% of samples)"
+    )

@@ -1,7 +1,8 @@
 """``python -m recsys compare RUN_A RUN_B ...``: runs side by side.
 
 Writes ``compare.md`` (one row per run: steps, wall time, throughput, final AUC and logloss and
-their change against the first run, PLS, failures, lost updates, time in recovery, seconds every
+their change against the first run, PLS, failures, lost updates, rows read stale (training through
+a fallback), time in recovery, seconds every
 trainer waited for failures and steps trained through them (``--train-through``), whether the
 embeddings equal the first run's) and ``compare.png`` (training loss and eval AUC of every run on
 one pair of axes, each run's failures marked in its colour).
@@ -23,6 +24,7 @@ COLUMNS = [
     "pls",
     "failures",
     "lost_updates",
+    "rows_read_stale",
     "recovery_s",
     "waited_s",
     "trained_through",
@@ -51,6 +53,7 @@ def rows(runs) -> list[dict]:
                 "pls": round(s.pls, 5),
                 "failures": len(s.failures),
                 "lost_updates": s.lost_updates,
+                "rows_read_stale": int(s.raw.get("rows_read_stale", 0)),
                 "recovery_s": round(sum(f.detected_after_s + f.recovery_s for f in s.failures), 3),
                 "waited_s": round(sum(f.waited_s for f in s.failures), 3),
                 "trained_through": sum(f.trained_through_steps for f in s.failures),

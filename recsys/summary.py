@@ -109,6 +109,9 @@ def run_summary(
         "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in injected],
         "injections_not_fired": not_fired,
         "pls": pls(lost, steps * G),  # rank 0's losses: every partial recovery of the run
+        # what training through relaxed: rows read at a stale value, updates applied on a later value
+        "rows_read_stale": sum(int(f.get("rows_read_fallback") or 0) for f in failures),
+        "updates_applied_late": sum(int(f.get("updates_applied_late") or 0) for f in failures),
         "embedding_digest": digest,
         "embeddings": cfg.embeddings.embeddings,
         "trainers": world_size,
