@@ -13,6 +13,11 @@ failed:
   the fallback row trains on with those updates applied to it (a shadow of the row), so that the
   steps of the outage read what they wrote.
 
+Where every read must be exact (``exact_only``: ``--recovery log``, which promises the run of no
+failure bit for bit), there is no fallback: a step that reads a row no writer holds, and that is not
+known never written, raises ``ColdRows`` on every trainer before anything is read or kept, and the
+run waits for the restore (the rows then come from the restored shard).
+
 Every trainer must read the same value for a row in a step. The writer answers for its shards; with
 several trainers the step's keys of shards that are away are gathered from every trainer and the
 writers' rows handed to all (``serve``: an all-reduce of their bit patterns, exact), before anything
@@ -27,6 +32,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from embeddings.keyindex import KeyIndex
+
+
+class ColdRows(Exception):
+    """A step reads ``count`` rows of the shards away that no writer holds and that are not known
+    never written, where every read must be exact (``OutageRows.exact_only``). Raised on every
+    trainer alike (the count is summed over them), before anything was read, counted or kept."""
+
+    def __init__(self, count: int, shards: list[int]) -> None:
+        self.count, self.shards = count, shards
+        super().__init__(f"{count:,} rows of shards {shards} away that no trainer holds")
 
 
 class _Shard:
@@ -109,6 +124,8 @@ class OutageRows:
         self.absent: Callable[[np.ndarray], np.ndarray] | None = None
         # called once per outage of a shard, before its first kept update is kept (a durable note)
         self.on_kept: Callable[[int], None] | None = None
+        # every read exact (``log``): a row neither held nor known never written raises ColdRows
+        self.exact_only = False
 
     # -- an outage begins and ends ----------------------------------------------------------------
     def begin(self, shard: int, keys: np.ndarray, rows: np.ndarray, exact: np.ndarray) -> None:
@@ -194,6 +211,19 @@ class OutageRows:
                 exact[~found] = self.absent(keys[~found])
         return rows, exact
 
+    def cold(self, keys: np.ndarray) -> int:
+        """How many of ``keys`` (sorted, of shards this trainer writes that are away) are neither in
+        the outage rows nor known never written: rows whose exact value only the restore has."""
+        shards = self.shard_of(keys)
+        n = 0
+        for s in np.unique(shards).tolist():
+            k = keys[shards == s]
+            new = self._shards[s].slots(k) < 0
+            if new.any():
+                known = self.absent(k[new]) if self.absent is not None else np.zeros(int(new.sum()), bool)
+                n += int((~known).sum())
+        return n
+
     def _width(self, keys: np.ndarray) -> int:
         for sh in self._shards.values():
             return sh.rows.shape[1]
@@ -207,6 +237,8 @@ class OutageRows:
         if all_gather_keys is None:
             mine = keys[np.isin(self.shard_of(keys), list(self.mine & self.away))]
             self._served = None
+            if self.exact_only and len(mine) and (n := self.cold(mine)):
+                raise ColdRows(n, sorted(self.away))
             if len(mine) and training:
                 self.own_rows(mine, count=True)
             elif len(mine):
@@ -217,13 +249,21 @@ class OutageRows:
             self._served = (union, np.empty((0, 0), np.float32))
             return
         width = self._width(union)
-        bits = np.zeros((len(union), width), np.int64)
+        bits = np.zeros((len(union) + 1, width), np.int64)  # the last row: the cold rows, summed
         at = np.flatnonzero(np.isin(self.shard_of(union), list(self.mine & self.away)))
+        # where every read must be exact, nothing is kept or counted before every trainer knows none is cold
+        settle = self.exact_only and training and len(at) > 0
         if len(at):
-            rows, _ = self.own_rows(union[at], count=training, keep=training)
+            if self.exact_only:
+                bits[-1, 0] = self.cold(union[at])
+            rows, _ = self.own_rows(union[at], count=training and not settle, keep=training and not settle)
             bits[at] = rows.view(np.int32).astype(np.int64)
         total = all_reduce_sum(bits)
-        self._served = (union, total.astype(np.int32).view(np.float32).reshape(len(union), width))
+        if total[-1, 0]:
+            raise ColdRows(int(total[-1, 0]), sorted(self.away))
+        if settle:  # the same values: now kept and counted
+            self.own_rows(union[at], count=True, keep=True)
+        self._served = (union, total[:-1].astype(np.int32).view(np.float32).reshape(len(union), width))
 
     def read(self, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (sorted, every one of a shard away) as this step reads them."""

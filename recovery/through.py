@@ -154,6 +154,8 @@ class TrainThrough:
             if held is not None:
                 store.outage.absent = lambda keys: held.state_of(keys) == ABSENT
             store.outage.on_kept = self._note_kept
+            # log promises the run of no failure bit for bit: no fallback, a row no one holds is waited for
+            store.outage.exact_only = self.strategy.replays_log
         exact = self.strategy.replays_log
         for s in failed:
             keys, rows = (

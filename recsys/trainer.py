@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ from tqdm import tqdm
 from data.batches import BatchReader, make_batch
 from data.progress import progress
 from embeddings.launcher import ShardSpec
+from embeddings.outage import ColdRows
 from recovery.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.factory import RecoverySettings, build_recovery
@@ -57,6 +59,7 @@ from recsys.schedule import Schedule
 from recsys.summary import SaveTotals, run_summary
 
 EVAL_BATCH = 4096
+MAX_COLD_WAITS = 16
 # torchrec's KJT code asks torch.fx whether it is tracing; torch answers with a deprecation
 # warning on every process. It says nothing about this run.
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -319,6 +322,19 @@ class Trainer:
             bar.set_postfix(samples_per_s=f"{rate:,.0f}", loss=f"{self._shown_loss:.4f}", **auc, refresh=False)
         bar.refresh()
 
+    def exactly(self, step: int, what: str, phase: Callable[[], Outcome]) -> Outcome:
+        """``phase()``; where it reads rows of a shard away that no trainer holds under ``log``
+        (``ColdRows``, on every trainer alike, before anything was read or kept), the run waits for
+        the restore (counted in the failure's ``waited_s``, one line) and the phase runs again on
+        the restored shard: ``log`` reads every row exactly, whatever the cache holds. ``step``:
+        the step the shards rejoin at (the one about to run)."""
+        for _ in range(MAX_COLD_WAITS):  # each wait ends an outage: another needs another failure
+            try:
+                return phase()
+            except ColdRows as e:
+                self.recovery.end_outage(step, f"the {what} reads {e} (--recovery log reads every row exactly)")
+        return phase()
+
     def train_step(self, batch) -> tuple[Outcome, object, torch.Tensor | None]:
         """One step: stage rows, forward/backward, commit the sparse update, dense step.
         -> (outcome, the next batch, the loss)."""
@@ -330,7 +346,9 @@ class Trainer:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
             self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0), settle)
         clock = self.clock
-        out = self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
+        out = self.exactly(
+            step, "step", lambda: self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
+        )
         clock.lap("rows_in")
         if out.rolled_back:
             return out, None, None
@@ -522,7 +540,8 @@ class Trainer:
                     res.clear()
                     res.update(got)
 
-        return self.recovery.run_phase(step, "eval", run), res
+        # rows no trainer holds of a shard away under log: the evaluation waits for them (as a step would)
+        return self.exactly(step + 1, "evaluation", lambda: self.recovery.run_phase(step, "eval", run)), res
 
     def resume(self) -> None:
         """Fresh start, or resume after a trainer restart from the per-step dense state (or, when

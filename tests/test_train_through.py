@@ -101,18 +101,30 @@ def test_verify_names_a_row_changed_behind_the_runs_back(held, tmp_path):
     assert code == 1 and "the run ended with 0000000000000000" in line, line
 
 
-def test_log_through_with_a_small_cache_reads_fallbacks_and_applies_them_late(tmp_path):
+@pytest.mark.parametrize("cache_mb", ["0.2", "1"])
+def test_log_through_with_a_small_cache_waits_for_rows_no_one_holds_and_ends_bit_identical(
+    tmp_path, base, cache_mb
+):
+    """Under log no row is read from a fallback: a step that needs a row its writer does not cache
+    waits for the restore (one line, counted in waited_s) and reads it from the restored shard."""
     out = tmp_path / "run"
-    s = train_cli(out, *ONE, "--recovery", "log", "--train-through", "--held-rows-mb", "0.2", *HELD)
+    flags = [*ONE, "--recovery", "log", "--train-through", "--held-rows-mb", cache_mb, *HELD]
+    proc = procs.run(["-m", "recsys", "train", *flags, "--out", str(out)], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
     f = outage(s)
     msg = json.dumps(f)
-    assert f["rows_read_fallback"] > 0 and f["updates_applied_late"] > 0, msg
-    # every update of the outage steps was applied once: exactly, or late on the restored row
+    assert f["rows_read_fallback"] == 0 and f["updates_applied_late"] == 0 and s["rows_read_stale"] == 0, msg
+    # every update of the outage steps was applied once, exactly
     first = f.get("write_step", f["step"])
     end = first + f["trained_through_steps"]
     want = sum(updates_per_step(out, 1, range(first, end)).values())
-    assert f["updates_applied_exact"] + f["updates_applied_late"] == want, msg
-    code, line = verify(out)  # the log holds what the shard holds: the late updates too
+    assert f["updates_applied_exact"] == want, msg
+    waits = [x for x in proc.stderr.splitlines() if "waiting for the restore of shards [1]" in x]
+    assert len(waits) == 1 and "no trainer holds (--recovery log reads every row exactly)" in waits[0], proc.stderr
+    assert f["waited_s"] > 0, msg  # the wait is the failure's
+    assert s["embedding_digest"] == base["embedding_digest"]
+    code, line = verify(out)
     assert code == 0, line
 
 
