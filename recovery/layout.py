@@ -9,6 +9,9 @@ The output folder ``{out}`` (``--out``)::
     summary.json                 SUMMARY           written once, last: its presence marks the end
     plots/training.png           training_plot()
     final_model.pt               FINAL_MODEL       with --save-model
+    final/step_{step:010d}/      final_dir()       the trained model: every shard's final snapshot and the
+                                                   dense state, a checkpoint of the format below (unless
+                                                   --no-keep-model); recsys export and verify read it
     recovery.log                 JOURNAL           the recovery journal: what was done, when
     failures.jsonl               FAILURES          a record per failure, as each recovery ends
     trainer_failures.jsonl       TRAINER_FAILURES  a line per trainer death
@@ -59,6 +62,9 @@ PLOTS = "plots"
 TRAINING_PLOT = "training.png"
 FINAL_MODEL = "final_model.pt"
 """The dense state and every embedding row (``--save-model``)."""
+FINAL = "final"
+"""The run's trained model as it ended: one checkpoint folder ``step_{steps:010d}/`` (every shard's
+snapshot, the dense state, the manifest), written at the end unless ``--no-keep-model``."""
 JOURNAL = "recovery.log"
 """The run's recovery journal: a line per thing recovery did, when."""
 FAILURES = "failures.jsonl"
@@ -118,6 +124,11 @@ def training_plot(out: Folder) -> Path:
 def final_model_file(out: Folder) -> Path:
     """``{out}/final_model.pt``."""
     return Path(out) / FINAL_MODEL
+
+
+def final_dir(out: Folder) -> Path:
+    """``{out}/final``: the folder of the run's final model (a checkpoint folder: ``step_dir`` inside)."""
+    return Path(out) / FINAL
 
 
 def journal_file(out: Folder) -> Path:

@@ -7,7 +7,7 @@ The Python API (``recsys.api``), at the package top::
     run = recsys.train(recsys.configure(steps=200, recovery="partial", checkpoint_every=50, out="runs/x"))
     print(run.summary.final_auc, run.summary.pls)
 
-``configure``, ``train``, ``resume``, ``load_run``, ``bench_recovery``, ``compare``; the types
+``configure``, ``train``, ``resume``, ``load_run``, ``bench_recovery``, ``compare``, ``export``; the types
 ``RunConfig``, ``Run``, ``Summary``, ``Failure``; ``ConfigError``. Names load on first use, so
 ``import recsys`` stays cheap (torch is imported when a run starts).
 """
@@ -23,6 +23,7 @@ __all__ = [
     "bench_recovery",
     "compare",
     "configure",
+    "export",
     "load_run",
     "resume",
     "train",

@@ -264,3 +264,13 @@ def compare(runs: list[str | Path | Run], out: str | Path | None = None) -> Path
     dest = Path(out) if out is not None else loaded[0].path.parent / "compare"
     write_comparison(loaded, dest)
     return dest
+
+
+def export(run: str | Path | Run, to: str | Path, *, optimizer_state: bool = False, block_mb: float = 8.0):
+    """``recsys export``: the finished run's trained model (its ``final/``) as a DCP checkpoint of
+    torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` in ``to`` (``recsys.exporter``). Rows are
+    read and written in blocks of about ``block_mb`` MB. -> ``recsys.exporter.ExportStats``;
+    ``recsys.exporter.ExportError`` in one line for bad input."""
+    from recsys.exporter import export as export_run
+
+    return export_run(run.path if isinstance(run, Run) else run, to, optimizer_state=optimizer_state, block_mb=block_mb)

@@ -211,6 +211,7 @@ _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS
     "embeddings.huge_pages": "--huge-pages",
     "embeddings.replica_wait": "--replica-wait",
     "train.save_model": "--save-model",
+    "train.keep_model": "--no-keep-model",
     "train.tensorboard": "--tensorboard",
     "recovery.priority_half": "--priority-half",
     "recovery.train_through": "--train-through",
@@ -248,6 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
+    ex = sub.add_parser(
+        "export",
+        help="write a finished run's trained model as a torch.distributed.checkpoint of torchrec's DLRM",
+        description=__import__("recsys.exporter", fromlist=["x"]).__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ex.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run (its final model: final/)")
+    ex.add_argument("--to", required=True, metavar="DIR", help="the DCP folder to write (new, or empty)")
+    ex.add_argument(
+        "--optimizer-state",
+        action="store_true",
+        help="also write the optimizer state: the dense optimizer's and each table's row optimizer's (optim.*)",
+    )
+    ex.add_argument(
+        "--block-mb",
+        type=float,
+        default=8.0,
+        help="rows are read and written in blocks of about this many MB, one at a time (default: 8)",
+    )
     return ap
 
 
@@ -292,6 +312,12 @@ def add_train_arguments(tr: argparse.ArgumentParser) -> None:
         "madvise or always)",
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
+    tr.add_argument(
+        "--no-keep-model",
+        action="store_true",
+        help="do not write the trained model into OUT/final at the end (by default every tier run does: each "
+        "shard's final snapshot and the dense state, as a checkpoint; recsys export reads it)",
+    )
     tr.add_argument(
         "--tensorboard",
         action="store_true",
@@ -376,6 +402,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["embeddings"]["huge_pages"] = True
     if args.save_model:
         sections["train"]["save_model"] = True
+    if args.no_keep_model:
+        sections["train"]["keep_model"] = False
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
     if args.replica_wait:
@@ -429,6 +457,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(line, file=sys.stdout if code == 0 else sys.stderr)
             return code
+        if args.command == "export":
+            from recsys.exporter import ExportError, export
+
+            try:
+                print(export(args.run, args.to, optimizer_state=args.optimizer_state, block_mb=args.block_mb).line())
+            except ExportError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            return 0
         if args.command == "compare":
             out = args.out or "."
             where = api.compare(args.runs, out=args.out)

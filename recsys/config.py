@@ -287,6 +287,12 @@ class TrainConfig:
     """Run directory for config.toml, metrics.jsonl, summary.json, plots/."""
     save_model: bool = False
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
+    keep_model: bool = True
+    """At the end, write the trained model into ``{out}/final/step_{steps}/`` at any table size: every
+    shard's final snapshot and the dense state (model and optimizer), in the checkpoints' format
+    with its SHA-256 manifest (``recsys export`` and ``recsys verify`` read it). It costs a fork per
+    shard and a copy of each snapshot (about the tables' bytes on disk, a second or two a GB here);
+    ``--no-keep-model`` skips it. Runs of ``--embeddings local`` keep none."""
     digest_max_rows: int = 100_000_000
     """summary.json's embedding_digest reads every row of every table at the end (from the shards,
     on the tier); tables of more rows in all skip it (the digest is null, one line says so)."""

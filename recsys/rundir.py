@@ -32,6 +32,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "train.log_every",
         "train.progress",
         "train.save_model",
+        "train.keep_model",
         "train.threads",
         "train.tensorboard",
         "train.digest_max_rows",

@@ -617,6 +617,38 @@ class Trainer:
             return None
         return embedding_digest(self.backend.table_blocks())
 
+    def final_keeper(self):
+        """Rank 0 of a tier run (``--keep-model``, the default): what writes the trained model into
+        ``{out}/final`` (``recovery.layout.final_dir``) as a checkpoint: every shard's final snapshot,
+        the dense state, a manifest (a ``recovery.checkpoint.Checkpointer``). None where the run
+        keeps none."""
+        from recovery import layout
+        from recovery.checkpoint import Checkpointer
+
+        if not self.cfg.train.keep_model or self.rank != 0 or self.backend.store is None:
+            return None
+        return Checkpointer(
+            layout.final_dir(self.cfg.train.out),
+            keep=1,
+            shards=self.specs,
+            store=self.backend.store,
+            run=self.namespace,
+            warn=lambda line: print(line.replace("checkpoint at", "final model at"), file=sys.stderr),
+            max_abandoned=0,
+        )
+
+    def keep_model(self, keeper) -> dict:
+        """Rank 0, after the final phase forked every shard's snapshot: the dense state and the copies
+        (``Checkpointer.finish``), waited for. -> ``summary.json``'s ``final_model``: its folder,
+        seconds (from the forks to the manifest) and bytes, or why it was abandoned."""
+        state = self.state_dict(self.steps)
+        stats = keeper.finish(self.steps, state["dense"], {**state["run"], "namespace": self.namespace})
+        keeper.wait()
+        if stats.abandoned:
+            return {"abandoned": stats.abandoned}
+        where = keeper.path(self.steps).relative_to(Path(self.cfg.train.out))
+        return {"path": str(where), "seconds": round(stats.total_s, 3), "bytes": stats.bytes}
+
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
@@ -661,16 +693,20 @@ class Trainer:
             held_rows_after_restores={k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)},
         )
         res: dict = {}
+        keeper = self.final_keeper()
 
         def final(only) -> None:
             if self.rank == 0:
                 res["eval"] = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
                 res["digest"] = self.digest()
                 self.check_evictions(final=True)  # what the evaluation and the digest read was all there
+                if keeper is not None:
+                    keeper.begin(self.steps)  # every shard forks its final snapshot (no row moves after this)
 
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
+        kept = self.keep_model(keeper) if keeper is not None else None
         summary = run_summary(
             self.cfg,
             world_size=self.world_size,
@@ -699,6 +735,8 @@ class Trainer:
             dense_save_seconds=self.dense_saver.seconds,
             backend_stats=self.backend.stats(),
         )
+        if kept is not None:
+            summary["final_model"] = kept
         if self.cfg.train.save_model:
             state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
             state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})

@@ -1,0 +1,243 @@
+"""A run's trained model out of the tier: the final model every run keeps, ``recsys export`` to DCP,
+proved by torchrec's own ``DLRM`` over its own ``EmbeddingBagCollection`` loading it."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import recsys
+from data.batches import make_batch
+from data.criteo import NUM_DENSE
+from recovery import layout
+from recovery.checkpoint import list_checkpoints
+from recsys.exporter import ExportError, export, weight_key
+from recsys.model import table_configs
+from tests import procs
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(
+    steps=40,
+    trainers=1,
+    shards=2,
+    rows_per_table=3000,
+    embedding_dim=8,
+    batch_size=128,
+    eval_samples=4096,
+    eval_every=0,
+    dense_arch=[16],
+    over_arch=[16],
+    save_model=True,
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small finished run on local shards (they stop with it), with final_model.pt to compare."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    return recsys.train(recsys.configure(**SMALL, out=str(out)))
+
+
+def torchrec_dlrm(cfg) -> DLRM:
+    """torchrec's own DLRM over its own EmbeddingBagCollection, built from the run's shapes alone."""
+    ebc = EmbeddingBagCollection(tables=table_configs(cfg), device=torch.device("cpu"))
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[*cfg.model.dense_arch, cfg.model.embedding_dim],
+        over_arch_layer_sizes=[*cfg.model.over_arch, 1],
+    )
+
+
+def eval_logits(model, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """The model's logits and the labels on the run's evaluation set (as the trainer reads it)."""
+    from recsys.datasets import sources
+    from recsys.trainer import EVAL_BATCH
+
+    source = sources(cfg).eval
+    n = cfg.data.eval_samples if source.num_rows is None else min(cfg.data.eval_samples, source.num_rows)
+    logits, labels = [], []
+    model.eval()
+    with torch.no_grad():
+        for lo in range(0, n, EVAL_BATCH):
+            a = source.read(lo, min(EVAL_BATCH, n - lo))
+            b = make_batch(a.dense, a.sparse, a.labels, bags=a.bags)
+            logits.append(model(b.dense_features, b.sparse_features).squeeze(1).numpy())
+            labels.append(b.labels.numpy())
+    return np.concatenate(logits), np.concatenate(labels)
+
+
+def tier_logits(run) -> np.ndarray:
+    """The tier's own model (``StoreEmbeddingBagCollection`` over the run's final snapshots, the
+    dense state the run ended with) on the same evaluation set."""
+    from recsys.backends import open_store
+    from recsys.exporter import dense_state, final_model, snapshot_servers
+    from recsys.model import store_model
+    from recsys.rundir import read_run_file
+
+    cfg = run.config
+    ns = read_run_file(run.path)["namespace"]
+    ckpt = final_model(run.path, ns)
+    dense, _ = dense_state(cfg, layout.dense_dcp_dir(ckpt.path), False)
+    with snapshot_servers([ckpt.shard_file(s) for s in range(cfg.embeddings.shards)]) as urls:
+        store = open_store(cfg, urls, ns, replicas=False)
+        try:
+            model, _ = store_model(cfg, store)
+            missing, unexpected = model.load_state_dict(dense, strict=False)
+            assert not unexpected and all("embedding_bags" in k for k in missing)
+            return eval_logits(model, cfg)[0]
+        finally:
+            store.close()
+
+
+def test_every_run_keeps_its_final_model_in_the_checkpoints_format(trained):
+    s = trained.summary.raw
+    kept = s["final_model"]
+    assert kept["path"] == f"final/step_{40:010d}" and kept["bytes"] > 0 and kept["seconds"] > 0
+    (ckpt,) = list_checkpoints(layout.final_dir(trained.path))
+    assert ckpt.step == 40 and sorted(n for n in ckpt.files if n.endswith(".rdb")) == ["shard0.rdb", "shard1.rdb"]
+    assert ckpt.verify() == sum((ckpt.path / n).stat().st_size for n in ckpt.files)  # SHA-256 as checkpoints
+    assert any(n.startswith("dense/") for n in ckpt.files)
+
+
+def test_export_loads_into_torchrecs_own_dlrm_with_the_runs_predictions_and_auc(trained, tmp_path):
+    from recsys.metrics import evaluate_scores
+
+    moved = tmp_path / "moved-run"  # the folder is read where it lies now
+    shutil.copytree(trained.path, moved)
+    stats = export(moved, tmp_path / "dcp", block_mb=0.05)  # several chunks per table
+    assert stats.step == 40 and stats.tables == 26 and stats.rows == 26 * 3000
+    assert stats.row_bytes == 26 * 3000 * 8 * 4 and stats.mb_per_s > 0
+
+    cfg = trained.config
+    model = torchrec_dlrm(cfg)
+    sd = model.state_dict()
+    before = sd[weight_key("t_cat_0")].clone()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))  # every key of torchrec's model, strictly
+    after = model.state_dict()
+    assert not torch.equal(before, after[weight_key("t_cat_0")])
+
+    # every row equal to the run's own final rows (final_model.pt), trained or not, bit for bit
+    final = torch.load(trained.path / layout.FINAL_MODEL, weights_only=True)
+    for c in table_configs(cfg):
+        assert torch.equal(after[weight_key(c.name)], final[f"embedding.{c.name}"]), c.name
+    for k, v in after.items():
+        if "embedding_bags" not in k:
+            assert torch.equal(v, final[f"dense.{k}"]), k
+
+    got, labels = eval_logits(model, cfg)
+    want = tier_logits(trained)
+    np.testing.assert_array_equal(got, want)  # the tier model's predictions, bit for bit
+    scores = evaluate_scores(got, labels)
+    assert scores["auc"] == pytest.approx(trained.summary.final_auc, abs=1e-12)
+    assert scores["logloss"] == pytest.approx(trained.summary.final_logloss, abs=1e-9)
+    assert 0.55 < scores["auc"] < 1.0
+
+
+def test_export_with_the_optimizer_state(trained, tmp_path):
+    stats = recsys.export(trained, tmp_path / "dcp", optimizer_state=True)  # the API
+    meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    rowwise = f"optim.state.{weight_key('t_cat_3')}.momentum1"
+    assert meta[rowwise].size == torch.Size([3000])
+    state = {rowwise: torch.zeros(3000), "optim.state.over_arch.model.1.weight.sum": torch.zeros(1, 16)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    # the row-wise Adagrad accumulator: zero for rows never trained, positive for those trained
+    acc = state[rowwise].numpy()
+    assert (acc >= 0).all() and 0 < (acc > 0).sum() < 3000
+    assert float(state["optim.state.over_arch.model.1.weight.sum"].abs().sum()) > 0
+    assert stats.row_bytes == 26 * 3000 * (8 + 1) * 4
+
+
+def test_export_refuses_bad_input_in_one_line(trained, tmp_path):
+    with pytest.raises(ExportError, match=r"export .*nowhere: no config.toml there"):
+        export(tmp_path / "nowhere", tmp_path / "out")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("1")
+    with pytest.raises(ExportError, match=r"--to .*full: the folder is not empty"):
+        export(trained.path, full)
+    copy = tmp_path / "copy"
+    shutil.copytree(trained.path, copy)
+    (ckpt,) = list_checkpoints(layout.final_dir(copy))
+    with open(ckpt.shard_file(1), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    with pytest.raises(ExportError, match=r"final model is damaged: .*shard1.rdb has SHA-256"):
+        export(copy, tmp_path / "out2")
+    shutil.rmtree(layout.final_dir(copy))
+    with pytest.raises(ExportError, match=r"no final model in .*final.*--no-keep-model"):
+        export(copy, tmp_path / "out3")
+
+
+def test_no_keep_model_keeps_none_and_the_cli_exports(tmp_path):
+    out = tmp_path / "run"
+    flags = ["--steps", "10", "--trainers", "1", "--shards", "2", "--rows-per-table", "500", "--embedding-dim", "8"]
+    flags += ["--batch-size", "64", "--eval-samples", "1024", "--no-keep-model", "--out", str(out)]
+    proc = procs.run(["-m", "recsys", "train", *flags], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not layout.final_dir(out).exists()
+    assert "final_model" not in json.loads((out / "summary.json").read_text())
+    proc = procs.run(["-m", "recsys", "export", str(out), "--to", str(tmp_path / "dcp")], timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "no final model in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+BOUNDED = r"""
+import json, os, resource, sys
+import torch  # imported before the baseline: what an export adds is measured
+import torchrec  # noqa: F401
+from recsys.exporter import export
+
+def rss_mb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+
+base = rss_mb("VmRSS:")
+stats = export(sys.argv[1], sys.argv[2], block_mb=float(sys.argv[3]))
+print(json.dumps({"base_mb": base, "peak_mb": rss_mb("VmHWM:"), "row_bytes": stats.row_bytes, "line": stats.line()}))
+"""
+
+
+def test_export_holds_a_block_not_the_tables(tmp_path):
+    """26 tables x 200k rows x 16: 333 MB of rows, exported in 1 MB blocks by a process whose peak
+    resident set grows by a fraction of that (the dense model, DCP's plan, a block as read)."""
+    out = tmp_path / "run"
+    recsys.train(
+        recsys.configure(
+            steps=5,
+            trainers=1,
+            shards=2,
+            rows_per_table=200_000,
+            embedding_dim=16,
+            batch_size=256,
+            eval_samples=1024,
+            eval_every=0,
+            out=str(out),
+            digest_max_rows=0,
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", BOUNDED, str(out), str(tmp_path / "dcp"), "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows_mb = got["row_bytes"] / (1 << 20)
+    assert got["row_bytes"] == 26 * 200_000 * 16 * 4
+    grew = got["peak_mb"] - got["base_mb"]
+    print(got["line"], f"; RSS grew {grew:.0f} MB over {got['base_mb']:.0f} MB for {rows_mb:.0f} MB of rows")
+    assert grew < rows_mb / 5, (grew, rows_mb)  # 32 MB here
+    written = sum(p.stat().st_size for p in (tmp_path / "dcp").iterdir())
+    assert written > got["row_bytes"]
