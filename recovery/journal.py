@@ -95,8 +95,9 @@ class Journal:
         if self.run_dir is not None:
             for path in (layout.trainer_failures_file, layout.failures_file, layout.in_recovery_file):
                 path(self.run_dir).unlink(missing_ok=True)
-            for note in Path(self.run_dir).glob("kept_updates_shard*"):  # --train-through's notes
-                note.unlink(missing_ok=True)
+            for pattern in ("kept_updates_shard*", "outage_shard*.json"):  # --train-through's notes
+                for note in Path(self.run_dir).glob(pattern):
+                    note.unlink(missing_ok=True)
 
     def record_trainer_failures(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
         """Rank 0: one record per trainer death not yet recorded (injected, or seen by the launcher)."""

@@ -157,6 +157,13 @@ def kept_updates_file(out: Folder, shard: int) -> Path:
     return Path(out) / f"kept_updates_shard{shard}"
 
 
+def outage_file(out: Folder, shard: int) -> Path:
+    """``{out}/outage_shard{S}.json``: shard S is away (``--train-through``): the outage so far (its
+    step, the steps trained through, rows read, updates applied), rewritten by its writer at every
+    step's start; a restart that cuts the outage short makes its record from it."""
+    return Path(out) / f"outage_shard{shard}.json"
+
+
 def injections_file(out: Folder) -> Path:
     """``{out}/injections.jsonl``."""
     return Path(out) / INJECTIONS

@@ -97,6 +97,8 @@ class Restarts:
         if self.ledger.keep_recent:  # the totals a loss is measured from
             self.ledger.recent[step] = self.ledger.counter.total.copy()
         if self.journal.load():
+            # an outage cut short by the restart keeps its record (``recovery.through``)
+            TrainThrough.record_interrupted(self.journal, step, self.store.num_shards)
             self.ledger.from_journal(self.journal.failures)
         if self.rank == 0:
             TrainThrough.check_restart(self.journal.run_dir, self.store.num_shards, self.tools.strategy.replays_log)

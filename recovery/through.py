@@ -28,6 +28,8 @@ another shard fails, and when the outage rows and kept gradients of a trainer pa
 from __future__ import annotations
 
 import copy
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -116,6 +118,7 @@ class TrainThrough:
             None,
         )
         self._lost_before = 0
+        self._phases: dict[int, str] = {}  # shard -> the phase that saw it fail
 
     @property
     def active(self) -> bool:
@@ -165,6 +168,7 @@ class TrainThrough:
             )
             store.outage.begin(s, keys, rows, np.full(len(keys), exact))
             self.away[s] = step
+            self._phases[s] = phase
             self.journal.note(
                 f"step {step} {phase}: shard {s} away, restored in the background ({len(keys)} rows held)"
             )
@@ -174,6 +178,7 @@ class TrainThrough:
             # partial strategies they are, through the outage rows, and their gradients kept
             self.writes.drop_redo(failed)
         self.drain()
+        self.note_outages(step)
         if self.rank == 0:
             self.journal.mark_in_recovery(sorted(self.away))
             self.tools.newest_usable = step
@@ -196,6 +201,76 @@ class TrainThrough:
             self._thread.start()
         return Outcome(Action.RETRY, (), tuple(sorted(failed)))
 
+    def note_outages(self, step: int) -> None:
+        """The writer of each shard away, at its outage's begin and every step's start (``step``: the
+        one about to run): the outage so far in ``layout.outage_file``, so that a trainer's death
+        or a stop inside it loses not its record (``record_interrupted`` makes it at the restart).
+        Written and renamed, not synced: it must outlive a process, as the page cache does."""
+        run = self.journal.run_dir
+        outage = self.store.outage
+        if run is None or outage is None:
+            return
+        for s, at in self.away.items():
+            if s not in self.mine:
+                continue
+            c = outage.counts.get(s)
+            note = {
+                "target": s,
+                "step": at,
+                "phase": self._phases.get(s, "stage"),
+                "strategy": str(self.strategy),
+                "trained_through_steps": step - at,
+                "rows_read_exact": c.exact_reads if c else 0,
+                "rows_read_fallback": c.fallback_reads if c else 0,
+                "updates_applied_exact": c.exact_updates if c else 0,
+                "updates_applied_late": c.late_updates if c else 0,
+                "time": time.time(),
+            }
+            path = layout.outage_file(run, s)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(note))
+            os.replace(tmp, path)
+
+    @staticmethod
+    def record_interrupted(journal: Journal, step: int, num_shards: int) -> None:
+        """Rank 0 at a restart (or ``--resume``) with the dense state at ``step``: an outage a trainer's
+        death (or a stop) cut short keeps its record: its step, the steps trained through up to the
+        state the run goes on from, the rows read and updates applied meanwhile, and what the restart
+        did to it (the shard is restored at the resume as a waiting restore: that restore has a
+        record of its own, phase ``resume``; updates kept for a partial strategy's fallback rows are
+        lost with the process, and counted there)."""
+        run = journal.run_dir
+        if run is None:
+            return
+        for s in range(num_shards):
+            path = layout.outage_file(run, s)
+            try:
+                note = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # none, or torn by the death: the resume's restore record stands alone
+            at = int(note["step"])
+            through = max(0, step + 1 - at)
+            ended = time.time()
+            rec = {
+                "kind": "shard",
+                **{k: v for k, v in note.items() if k != "time"},
+                "trained_through_steps": through,
+                "detected_after_s": 0.0,
+                "recovery_s": round(max(0.0, ended - float(note.get("time", ended))), 4),
+                "waited_s": 0.0,
+                "lost_updates": 0,
+                "lost_samples": 0.0,
+                "cut_short": (
+                    f"a trainer restart: the run went on from step {step}, {through} step(s) of the outage "
+                    f"trained through kept; the shard was restored at the resume as a waiting restore (its "
+                    "own record, phase resume)"
+                ),
+            }
+            if at > step + 1:  # the steps of the outage were all taken back
+                rec["cut_short"] = f"a trainer restart: the run went on from step {step}, before the outage's step"
+            journal.record(rec)
+            path.unlink(missing_ok=True)
+
     def _note_kept(self, shard: int) -> None:
         """The writer of ``shard`` is about to keep its first update for a row it did not cache: a
         durable note, so that a trainer restart before the rejoin (which loses what was kept) knows."""
@@ -210,6 +285,7 @@ class TrainThrough:
         (then the run waits for the restore, with one line)."""
         if not self.away:
             return
+        self.note_outages(step)
         n = self.store.num_shards
         flags = np.zeros(n + 1, np.int64)
         if self.rank == 0 and self._thread is not None and not self._thread.is_alive():
@@ -304,6 +380,11 @@ class TrainThrough:
                 f"(waited {rec['waited_s']}s; {rec['rows_read_fallback']} rows read from the fallback, "
                 f"{rec['updates_applied_late']} updates applied late)"
             )
+        if (
+            self.journal.run_dir is not None
+        ):  # every writer's last note is written (the sum above): the records replace them
+            for s in shards:
+                layout.outage_file(self.journal.run_dir, s).unlink(missing_ok=True)
         self.journal.mark_in_recovery([])
 
     def _write_back(self, s: int, keys: np.ndarray, rows: np.ndarray, kept: list, step: int) -> None:

@@ -35,7 +35,17 @@ def test_two_trainers_train_and_evaluate_through_an_outage_and_a_trainer_kill(tm
     held = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:4"]  # still away at step 35
     s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *held, "--inject", "trainer:0@step=35")
     kinds = sorted(f["kind"] for f in s["failures"])
-    assert kinds == ["shard", "trainer"], json.dumps(s["failures"])
+    assert kinds == ["shard", "shard", "trainer"], json.dumps(s["failures"])
+    # the outage the trainer's death cut short keeps its record: its own step, the steps trained
+    # through up to the state the group went on from (step 34), the rows read meanwhile; the resume's
+    # restore has its own (phase resume)
+    (cut,) = [f for f in s["failures"] if "cut_short" in f]
+    assert (cut["target"], cut["step"], cut["strategy"]) == (1, 25, "log"), json.dumps(cut)
+    assert cut["trained_through_steps"] == 10 and cut["rows_read_exact"] > 0, json.dumps(cut)
+    assert "the run went on from step 34" in cut["cut_short"], json.dumps(cut)
+    (resumed,) = [f for f in s["failures"] if f["kind"] == "shard" and "cut_short" not in f]
+    assert resumed["phase"] == "resume" and resumed["target"] == 1, json.dumps(resumed)
+    assert not list(out.glob("outage_shard*")), "the notes go once the records are made"
     # every trainer read the same rows: the evaluation at step 30 ran while shard 1 was away (every
     # trainer served its rows), and the restart at step 35 restored it from its log as a waiting restore
     assert aucs(out) == aucs(base2[0]) and 30 in dict(aucs(out))
