@@ -9,9 +9,11 @@ compares the result with:
 
 - the run's ``embedding_digest`` (``summary.json``: SHA-256 over every row, weights and optimizer
   state): always, where the run computed one;
-- the rows themselves, to name the first that differs: on the run's shards where they still answer
-  (servers the project did not start keep the run's rows under its namespace), else the weights of
-  ``final_model.pt`` (``--save-model``).
+- the rows themselves, to name the first that differs, wherever they are at hand: on the run's
+  shards where they still answer (servers the project did not start keep the run's rows under its
+  namespace); its final model (``final/step_N/``, which every run keeps unless ``--no-keep-model``:
+  each shard's final snapshot, weights and optimizer state, its checksums checked first; one that
+  fails them is named and skipped); the weights of ``final_model.pt`` (``--save-model``).
 
 Every durable file ``verify`` does not read is named on a line of its own: a checkpoint that fails its
 checksum, or the one the logs were kept for (a segment starts after each checkpoint) gone missing;
@@ -81,29 +83,55 @@ def _checkpoints(cfg, namespace: str) -> tuple[list, list[str]]:
     return good, bad
 
 
+def initial_tables(store) -> dict[int, np.ndarray]:
+    """Every table's rows [num_rows, width] at their initial values (weights and optimizer state)."""
+    from embeddings import rowkeys
+
+    return {
+        t: store.reads.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
+        for t, spec in enumerate(store.tables.specs)
+    }
+
+
+def overlay_snapshot(store, tables: dict[int, np.ndarray], path: Path, shard: int) -> None:
+    """The rows shard ``shard``'s snapshot at ``path`` holds (parsed as Redis wrote it), over ``tables``."""
+    from embeddings.rdb import group_rows, read_keys
+
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    ns = store.key_namespace(shard)
+    rows, _ = group_rows(read_keys(path, f"{ns}:".encode()), ns, store.layout, widths)
+    for t, (ids, values) in rows.items():
+        tables[t][ids] = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
+
+
+def kept_model(run: Path, namespace: str):
+    """The run's final model (``{run}/final``, kept unless ``--no-keep-model``), its files checked
+    against its manifest: the ``Checkpoint``, None where the run kept none.
+    ``CorruptCheckpointError`` where a file fails its checksum."""
+    from recovery.checkpoint import list_checkpoints
+
+    kept = list_checkpoints(layout.final_dir(run), namespace)
+    if not kept:
+        return None
+    kept[0].verify()
+    return kept[0]
+
+
 def rebuild(cfg, store, ckpt, steps: int, restores: dict | None = None) -> dict[int, np.ndarray]:
     """Every table's rows [num_rows, width] from ``ckpt`` (None: empty shards) and the logs up to
     ``steps``. ``restores``: shard -> (checkpoint or None, step) of a lossy restore (``partial``):
     that shard is rebuilt from the checkpoint it was restored from and its log from that step on
     (the records before it were lost, and counted)."""
-    from embeddings import rowkeys
-    from embeddings.rdb import group_rows, read_keys
     from recovery.log import ShardLog
 
-    tables = {}
-    for t, spec in enumerate(store.tables.specs):
-        tables[t] = store.reads.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
-    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    tables = initial_tables(store)
     for s in range(store.num_shards):
         base, after = (ckpt, ckpt.step if ckpt is not None else 0)
         if restores and s in restores:
             base, first = restores[s]
             after = first - 1
         if base is not None:
-            ns = store.key_namespace(s)
-            rows, _ = group_rows(read_keys(base.shard_file(s), f"{ns}:".encode()), ns, store.layout, widths)
-            for t, (ids, values) in rows.items():
-                tables[t][ids] = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
+            overlay_snapshot(store, tables, base.shard_file(s), s)
         records, _ = ShardLog(cfg.log_dir, s).replay(after, steps)  # LogGapError: a damaged or missing segment
         for r in records:  # in log order: a row's newest record is written last
             if len(r.ids):
@@ -134,10 +162,15 @@ def lossy_restores(run: Path, strategy, good: list) -> dict:
     return out
 
 
-def _final_rows(cfg, store, run: Path) -> tuple[str, dict[int, np.ndarray]] | None:
-    """The rows the run ended with, where they are at hand: (where, table -> rows [n, dim or width])."""
+def _final_rows(cfg, store, run: Path, skipped: list[str]) -> list[tuple[str, dict[int, np.ndarray]]]:
+    """The rows the run ended with, wherever they are at hand: [(where, table -> rows [n, dim or
+    width])]: its shards (where they still answer), its final model (``final/``: weights and
+    optimizer state), ``final_model.pt`` (weights). A final model that fails its checksum is added
+    to ``skipped``."""
     from embeddings import ShardUnavailableError
+    from recovery.errors import CorruptCheckpointError
 
+    out = []
     if cfg.embeddings.redis != "local":
         try:
             with store.from_redis():
@@ -145,21 +178,31 @@ def _final_rows(cfg, store, run: Path) -> tuple[str, dict[int, np.ndarray]] | No
                     t: store.read_rows(spec.name, np.arange(spec.num_rows)) for t, spec in enumerate(store.tables.specs)
                 }
             if any(len(v) for v in rows.values()):
-                return "its shards", rows
+                out.append(("its shards", rows))
         except ShardUnavailableError:
             pass
+    try:
+        kept = kept_model(run, store.namespace)
+    except CorruptCheckpointError as e:
+        kept = None
+        skipped.append(f"the final model: {e}")
+    if kept is not None:
+        tables = initial_tables(store)
+        for s in range(store.num_shards):
+            overlay_snapshot(store, tables, kept.shard_file(s), s)
+        out.append((str(kept.path.relative_to(run)), tables))
     path = layout.final_model_file(run)
     if path.is_file():
         import torch
 
         state = torch.load(path, weights_only=True)
-        out = {}
+        weights = {}
         for t, spec in enumerate(store.tables.specs):
             w = state.get(f"embedding.{spec.name}")
             if w is not None:
-                out[t] = w.numpy()
-        return path.name, out
-    return None
+                weights[t] = w.numpy()
+        out.append((path.name, weights))
+    return out
 
 
 def log_reach(cfg, num_shards: int) -> int | None:
@@ -204,12 +247,20 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
     good, bad = _checkpoints(cfg, namespace)
     strategy = Strategy(cfg.recovery.recovery)
     if not cfg.log_dir or strategy.value not in ("log", "partial"):
+        from recovery.errors import CorruptCheckpointError
+
+        try:
+            kept = kept_model(run, namespace)
+            model = f" and its final model ({kept.path.relative_to(run)})" if kept is not None else ""
+        except CorruptCheckpointError as e:
+            bad.append(f"the final model: {e}")
+            model = ""
         corrupt = f"; {len(bad)} fail their checksums: {bad[0]}" if bad else ""
         return (
             1 if bad else 0,
             f"{run}: --recovery {strategy} {'overlays saves the logs do not hold' if cfg.log_dir else 'keeps no update log'}, "
             "so its final rows cannot be rebuilt from its files; "
-            f"checked that {len(good)} kept checkpoint(s) verify (SHA-256){corrupt}",
+            f"checked that {len(good)} kept checkpoint(s){model} verify (SHA-256){corrupt}",
         )
     steps = int(summary["steps_completed"])
     n = len(cfg.embeddings.urls) or cfg.embeddings.shards
@@ -234,9 +285,11 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
             return 1, f"{run}: the rows cannot be rebuilt from {base}: {e}"
         names = [spec.name for spec in store.tables.specs]
         digest = embedding_digest((names[t], [rows]) for t, rows in tables.items())
-        final = _final_rows(cfg, store, run)
-        if final is not None:
-            where, rows = final
+        was = len(skipped)
+        finals = _final_rows(cfg, store, run, skipped)
+        for line in skipped[was:]:
+            say(f"verify: skipped {line}")
+        for where, rows in finals:
             for t, got in rows.items():
                 want = tables[t][:, : got.shape[1]]
                 diff = np.flatnonzero(np.any(want.view(np.int32) != np.ascontiguousarray(got).view(np.int32), axis=1))
@@ -252,14 +305,14 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
             return 1, (
                 f"{run}: the rows rebuilt from the durable files have digest {digest[:16]}..., the run ended with "
                 f"{expected[:16]}... (summary.json)"
-                + ("" if final is None else f"; {final[0]} agree on the weights: the optimizer state differs")
+                + ("" if not finals else f"; {' and '.join(w for w, _ in finals)} agree with the rebuilt rows")
             )
-        if expected is None and final is None:
+        if expected is None and not finals:
             return (
                 1,
                 f"{run}: the run kept no digest (--digest-max-rows) and no final rows are at hand: nothing to compare",
             )
-        checked = " and ".join(x for x in ("the digest" if expected else "", final[0] if final else "") if x)
+        checked = " and ".join((["the digest"] if expected else []) + [where for where, _ in finals])
         line = (
             f"{run}: {n} shards rebuilt from {base} and their logs to step {steps} ({covered}) equal the run's "
             f"final rows ({checked})"

@@ -241,3 +241,23 @@ def test_export_holds_a_block_not_the_tables(tmp_path):
     assert grew < rows_mb / 5, (grew, rows_mb)  # 32 MB here
     written = sum(p.stat().st_size for p in (tmp_path / "dcp").iterdir())
     assert written > got["row_bytes"]
+
+
+def test_verify_checks_the_final_model(trained, tmp_path):
+    from recsys.verify import verify
+
+    code, line = verify(trained.path)  # no update log: the files' checksums, the final model's among them
+    assert code == 0 and f"its final model (final/step_{40:010d}) verify (SHA-256)" in line, line
+
+    out = tmp_path / "log"
+    recsys.train(recsys.configure(**{**SMALL, "save_model": False}, recovery="log", checkpoint_every=15, out=str(out)))
+    code, line = verify(out)  # rebuilt from checkpoint 30 and the logs, against the final snapshots' rows
+    assert code == 0 and f"(the digest and final/step_{40:010d})" in line, line
+    (ckpt,) = list_checkpoints(layout.final_dir(out))
+    with open(ckpt.shard_file(0), "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01")
+    said: list[str] = []
+    code, line = verify(out, say=said.append)
+    assert code == 1 and "1 durable file(s) were skipped" in line, line
+    assert any(s.startswith("verify: skipped the final model:") and "shard0.rdb has SHA-256" in s for s in said), said
