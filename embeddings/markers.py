@@ -1,6 +1,7 @@
 """Each shard's applied marker and undo record, and the rollback they allow.
 
-Per shard, ``{namespace}:meta:applied`` holds the last step whose update the shard applied, and
+Per shard, ``{namespace}:meta:shard`` holds its index (set before each checkpoint's snapshot: a
+snapshot names its shard), ``{namespace}:meta:applied`` holds the last step whose update the shard applied, and
 ``{namespace}:meta:undo`` that write's rows as they were before it (named for its first step): a
 writer that dies part way through a write leaves the marker at the step before and the undo
 record of the write, so the shard goes back one write, never half-way. One ``Markers`` per
@@ -46,6 +47,14 @@ class Markers:
         key = self.store.meta_key("applied", shard)
         raw = self.links.mapped(shard, lambda: self.links.locked_get(shard, key))
         return None if raw is None else int(raw)
+
+    def stamp(self, shard: int) -> int | None:
+        """Before a snapshot of ``shard``: its identity key ``{namespace}:meta:shard`` set to its
+        index, so that its snapshot names the shard it is of (``recovery.checkpoint.check_snapshot``);
+        -> its applied marker (None: never applied), which the snapshot must hold."""
+        key = self.store.meta_key("shard", shard)
+        self.links.call(shard, lambda c: c.set(key, b"%d" % shard))
+        return self.applied_step(shard)
 
     def applied_steps(self) -> list[int | None]:
         """Per shard: the last step whose update it applied (None: never)."""

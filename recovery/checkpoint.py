@@ -40,6 +40,7 @@ from recovery import layout
 from recovery.dense import clone_state
 from recovery.errors import CheckpointsAbandonedError, CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.files import fsync_dir, name_path, write_atomic
+from recovery.identity import snapshot_mismatch
 
 
 def sha256_file(path: Path) -> str:
@@ -96,6 +97,25 @@ class Checkpoint:
     meta: dict = field(default_factory=dict)
     # shard snapshot name -> the CRC-64 its file ends with (``rdb_trailer``), as written
     rdb_checksums: dict[str, str] = field(default_factory=dict)
+    # shard snapshot name -> {"shard", "namespace", "applied"}: checked before the manifest (``recovery.identity``)
+    identity: dict[str, dict] = field(default_factory=dict)
+
+    def check_shard(self, shard: int, key_namespace: str) -> None:
+        """``CorruptCheckpointError`` unless this checkpoint's snapshot of ``shard`` is that shard's:
+        as its manifest recorded it (its checksums prove the file is the one checked), or, for a
+        manifest that recorded none, as the file itself says."""
+        name = layout.shard_snapshot_name(shard)
+        rec = self.identity.get(name)
+        if rec is not None:
+            if rec.get("shard") != shard or rec.get("namespace") != key_namespace:
+                raise CorruptCheckpointError(
+                    f"checkpoint step {self.step}: {self.path / name} is recorded as shard {rec.get('shard')}'s "
+                    f"of namespace {rec.get('namespace')!r}, not shard {shard}'s of {key_namespace!r}"
+                )
+            return
+        why = snapshot_mismatch(self.path / name, key_namespace, shard, check_applied=False)
+        if why:
+            raise CorruptCheckpointError(f"checkpoint step {self.step}: {why}")
 
     def loader_checks(self, name: str) -> bool | None:
         """Whether the shard snapshot ``name`` can be left to its loader's own check: Redis's load,
@@ -155,6 +175,7 @@ def list_checkpoints(directory: str | os.PathLike, run: str | None = None) -> li
                 files=dict(doc["files"]),
                 meta=doc.get("meta", {}),
                 rdb_checksums=dict(doc.get("rdb_checksums", {})),
+                identity=dict(doc.get("identity", {})),
             )
             if run is None or c.meta.get("namespace") == run:
                 out.append(c)
@@ -263,6 +284,7 @@ class Checkpointer:
         self.warn = warn or _warn  # the line of an abandoned checkpoint (rank 0)
         self.max_abandoned = max_abandoned  # abandoned in a row (for a cause that repeats) stop the run; 0: never
         self.abandoned_in_row: list[SaveStats] = []
+        self._stamped: dict[int, int | None] = {}  # shard -> its applied marker at the snapshot
 
     def path(self, step: int) -> Path:
         return layout.step_dir(self.dir, step)
@@ -286,8 +308,10 @@ class Checkpointer:
             shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
         path.mkdir(parents=True)
         saves_before: dict = {}
+        self._stamped = {}
         try:
             for s in range(self.store.num_shards):
+                self._stamped[s] = self.store.markers.stamp(s)  # the snapshot names its shard and marker
                 if s in self.local and not self.network_only:
                     saves_before[s] = self.store.call(s, lambda c: self._fork(c))
                 else:
@@ -362,6 +386,7 @@ class Checkpointer:
                     digest, n = before.finish()
                 files[layout.shard_snapshot_name(s)] = digest
                 stats.bytes += n
+            identity = self._check_identity(step, path, list(saves_before))
             for p in sorted(layout.dense_dcp_dir(path).rglob("*")):
                 if p.is_file():
                     files[str(p.relative_to(path))] = sha256_file(p)
@@ -371,7 +396,7 @@ class Checkpointer:
             fsync_dir(path)
             trailers = {n: rdb_trailer(path / n) for n in files if n.endswith(".rdb")}
             checksums = {n: t for n, t in trailers.items() if t is not None}
-            doc = {"step": step, "files": files, "meta": meta, "rdb_checksums": checksums}
+            doc = {"step": step, "files": files, "meta": meta, "rdb_checksums": checksums, "identity": identity}
             write_json_atomic(layout.manifest_file(path), doc)
             stats.total_s = time.perf_counter() - t0
             ckpt = Checkpoint(step, path, files, meta, checksums)
@@ -400,6 +425,18 @@ class Checkpointer:
                 self.warn(f"warning: checkpoint at step {step} abandoned: {cause}")
             except Exception:  # noqa: BLE001 - a closed terminal must not fail the run
                 pass
+
+    def _check_identity(self, step: int, path: Path, shards: list[int]) -> dict[str, dict]:
+        """Every shard's snapshot is that shard's, at this snapshot (``recovery.identity``): else
+        ``RecoveryError`` naming the file, and the checkpoint is abandoned. -> the manifest's record."""
+        out = {}
+        for s in shards:
+            name = layout.shard_snapshot_name(s)
+            why = snapshot_mismatch(path / name, self.store.key_namespace(s), s, self._stamped.get(s))
+            if why:
+                raise RecoveryError(f"{why} (a snapshot must be its own shard's: docs/operations.md)")
+            out[name] = {"shard": s, "namespace": self.store.key_namespace(s), "applied": self._stamped.get(s)}
+        return out
 
     def _wait_snapshot(self, spec: ShardSpec, saves_before: int) -> None:
         deadline = time.monotonic() + self.snapshot_timeout_s
@@ -461,6 +498,7 @@ class Checkpointer:
         names: Callable[[Checkpoint], list[str] | None] = lambda c: None,
         on_corrupt: Callable[[CorruptCheckpointError], None] = lambda e: None,
         max_step: int | None = None,
+        check: Callable[[Checkpoint], object] = lambda c: None,
     ) -> Checkpoint:
         """The newest checkpoint (of step ``max_step`` or before) whose files (``names(c)``, default
         all: shard snapshots and dense files) verify; corrupt ones are reported and skipped."""
@@ -468,6 +506,7 @@ class Checkpointer:
             if max_step is not None and c.step > max_step:
                 continue
             try:
+                check(c)  # its snapshots are their shards' (``Checkpoint.check_shard``)
                 c.verify(names(c))
                 return c
             except CorruptCheckpointError as e:

@@ -118,6 +118,7 @@ class ShardRestore:
                 lambda c: None if whole else [c.shard_file(s).name for s in shards],
                 report,
                 max_step=self.newest_usable,
+                check=lambda c: [c.check_shard(s, self.store.key_namespace(s)) for s in shards],
             )
         except NoCheckpointError:
             return None
@@ -143,6 +144,7 @@ class ShardRestore:
                         continue
                     name = c.shard_file(shard).name
                     try:
+                        c.check_shard(shard, self.store.key_namespace(shard))  # that shard's, or not used
                         by_loader = c.loader_checks(name)
                     except CorruptCheckpointError as e:
                         record.setdefault("corrupt_checkpoints", []).append(str(e))

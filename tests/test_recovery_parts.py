@@ -773,3 +773,37 @@ def test_a_dense_save_becomes_the_state_only_once_committed_and_a_commit_drops_o
     got = saver.load()["dense"]
     assert torch.equal(got["optim"]["state"][0]["sum"], w * 2) and float(got["optim"]["state"][0]["step"]) == 4.0
     assert torch.equal(got["model"]["w"], w)
+
+
+def test_a_snapshot_of_another_shard_is_refused_in_one_line_and_no_checkpoint_kept(rig, namespace, tmp_path):
+    """A setup where shard 1's snapshot file is shard 0's (two servers given one dump file): the
+    checkpoint's identity check names the file, and the checkpoint gets no manifest. A kept one
+    records what it checked; a restore refuses a snapshot that is not its shard's."""
+    import dataclasses
+    import shutil
+
+    sh, store, _, _ = rig
+    ids = np.arange(100)
+    store.write_rows("a", ids, np.ones((100, 5), np.float32))  # rows on every shard
+    lines: list[str] = []
+    wrong = [sh.specs[0], dataclasses.replace(sh.specs[1], workdir=sh.specs[0].workdir), sh.specs[2]]
+    bad = Checkpointer(tmp_path / "bad", 2, wrong, store, run=namespace, warn=lines.append)
+    bad.save(5, {"x": torch.zeros(1)}, {"step": 5, "namespace": namespace})
+    bad.wait()
+    assert bad.candidates() == [] and len(lines) == 1, lines
+    assert lines[0].startswith("warning: checkpoint at step 5 abandoned: ") and "shard1.rdb" in lines[0], lines
+    assert "is the snapshot of shard(s) [0]" in lines[0] and "not of shard 1" in lines[0], lines
+
+    good = Checkpointer(tmp_path / "good", 2, sh.specs, store, run=namespace, warn=lines.append)
+    good.save(6, {"x": torch.zeros(1)}, {"step": 6, "namespace": namespace})
+    good.wait()
+    (c,) = good.candidates()
+    assert c.identity["shard1.rdb"] == {"shard": 1, "namespace": namespace, "applied": None} and len(lines) == 1
+    c.check_shard(1, namespace)
+    # a manifest that recorded no identity (an older one): the file itself is read
+    shutil.copy(c.shard_file(0), c.shard_file(1))
+    c.identity.clear()
+    with pytest.raises(CorruptCheckpointError, match=r"shard1.rdb is the snapshot of shard\(s\) \[0\]"):
+        c.check_shard(1, namespace)
+    with pytest.raises(CorruptCheckpointError, match="holds no identity key of namespace 'another'"):
+        c.check_shard(0, "another")
