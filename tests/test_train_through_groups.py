@@ -13,7 +13,7 @@ import pytest
 from recsys.testing import RedisServers
 from tests import procs
 from tests.conftest import train_cli
-from tests.test_train_through import HELD, ONE, outage, verify
+from tests.test_train_through import ONE, outage, verify
 
 TWO = [*ONE, "--trainers", "2", "--max-restarts", "2", "--eval-every", "15", "--eval-samples", "2048"]
 HELD_3S = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:3"]
