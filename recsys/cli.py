@@ -220,6 +220,17 @@ _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS
 RESUME_FLAGS = {_FLAG_OF[k] for k in RESUME_MAY_CHANGE if k in _FLAG_OF and k != "train.out"}
 
 
+def _doc(module: str) -> str:
+    """A module's docstring, read from its source: the parser is built before anything heavy is
+    imported (a refused resume is decided before torch is)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text())) or ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -237,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser(
         "compare",
         help="put two or more run folders side by side (table and plot)",
-        description=__import__("recsys.comparison", fromlist=["x"]).__doc__,
+        description=_doc("recsys.comparison"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
@@ -245,14 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser(
         "verify",
         help="rebuild a finished run's rows from its checkpoint and update logs and compare them with its final rows",
-        description=__import__("recsys.verify", fromlist=["x"]).__doc__,
+        description=_doc("recsys.verify"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
     ex = sub.add_parser(
         "export",
         help="write a finished run's trained model as a torch.distributed.checkpoint of torchrec's DLRM",
-        description=__import__("recsys.exporter", fromlist=["x"]).__doc__,
+        description=_doc("recsys.exporter"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ex.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run (its final model: final/)")

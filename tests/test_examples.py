@@ -128,8 +128,9 @@ def test_compare_two_runs_writes_its_table_and_plot(tmp_path):
     # run, recovery, steps, wall_s, samples_per_s, final_auc, auc_change, final_logloss, pls, failures, ...
     assert cells["a"][9] == "0" and cells["b"][9] == "1" and float(cells["b"][8]) > 0
     assert cells["a"][-1] == "True" and cells["b"][-1] == "False"
-    # ..., lost_updates, recovery_s, waited_s (every trainer waited for the restore), trained_through
-    assert float(cells["b"][12]) > 0 and cells["b"][13] == "0" and float(cells["a"][12]) == 0
+    # ..., lost_updates, rows_read_stale, recovery_s, waited_s (every trainer waited for the restore), trained_through
+    assert cells["b"][11] == "0"  # a waiting restore reads no row stale
+    assert float(cells["b"][13]) > 0 and cells["b"][14] == "0" and float(cells["a"][13]) == 0
     f = recsys.load_run(b.path).summary.failures[0]
     assert f.target == 2 and f.phases_s["start"] > 0 and 0 <= f.failed_call_s <= f.detected_after_s
     # a folder that is not a run is named

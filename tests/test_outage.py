@@ -5,7 +5,7 @@ the rows two writers hand to every trainer (their sum of bit patterns, exact to 
 import numpy as np
 import pytest
 
-from embeddings.outage import OutageRows
+from embeddings.outage import ColdRows, OutageRows
 
 WIDTH = 3
 
@@ -88,9 +88,10 @@ def test_two_writers_hand_every_trainer_the_same_bits():
         # each trainer's contribution is computed first, then "all-reduced" as a sum of both
         for o in (a, b):
             o.serve(mine[id(o)], lambda keys: gathered, lambda bits: parts.append(bits.copy()) or bits)
-        total = parts[0] + parts[1]
+        total = parts[0] + parts[1]  # the rows, then one row with the count of rows no writer holds
+        assert total.shape == (len(gathered) + 1, WIDTH) and total[-1].tolist() == [0] * WIDTH
         for o in (a, b):
-            o._served = (gathered, total.astype(np.int32).view(np.float32).reshape(len(gathered), WIDTH))
+            o._served = (gathered, total[:-1].astype(np.int32).view(np.float32).reshape(len(gathered), WIDTH))
 
     serve_both()
     ra, rb = a.read(np.array([2, 3, 5])), b.read(np.array([2, 3, 5]))
@@ -109,3 +110,53 @@ def test_a_read_outside_the_served_rows_is_refused():
     o.serve(np.array([3]), lambda keys: np.array([3]), lambda bits: bits)
     with pytest.raises(RuntimeError, match="outside the step's served rows"):
         o.read(np.array([7]))
+
+
+def test_where_every_read_must_be_exact_a_row_no_writer_holds_is_refused_before_anything_is_kept():
+    """``exact_only`` (``--recovery log``): no fallback. A step that reads a row its writer does not
+    hold, and that is not known never written, raises ``ColdRows`` (every trainer alike: with two,
+    the count rides on the all-reduce) and leaves no row, count or kept update behind."""
+    o = OutageRows(init, shard_of, mine={0}, budget_bytes=1 << 20)
+    o.exact_only = True
+    o.begin(0, np.array([2]), rows_of(20.0), np.array([True]))
+    o.absent = lambda keys: keys == 8
+    o.serve(np.array([2, 8]))  # held, and known never written: exact
+    assert (o.counts[0].exact_reads, o.counts[0].fallback_reads) == (2, 0)
+    with pytest.raises(ColdRows, match=r"^2 rows of shards \[0\] away that no trainer holds$") as e:
+        o.serve(np.array([2, 4, 6]))
+    assert e.value.count == 2 and o.counts[0].exact_reads == 2 and o.cold(np.array([4, 6])) == 2
+    assert o.own_rows(np.array([4]), keep=False)[1].tolist() == [False]  # nothing was added
+
+    a = OutageRows(init, shard_of, mine={0}, budget_bytes=1 << 20)
+    b = OutageRows(init, shard_of, mine={1}, budget_bytes=1 << 20)
+    for o, held in ((a, 0), (b, 1)):
+        o.exact_only = True
+        for s in (0, 1):
+            o.begin(
+                s,
+                np.array([2 + s]) if s == held else np.empty(0, np.int64),
+                rows_of(1.0)[: int(s == held)],
+                np.array([True])[: int(s == held)],
+            )
+    gathered = np.array([2, 3, 5])  # 5: shard 1's, not held by its writer (b)
+    parts = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(o):
+        def reduce(x):
+            parts[id(o)] = x.copy()
+            raise Stop
+
+        return reduce
+
+    for o in (a, b):  # each trainer's part of the all-reduce
+        with pytest.raises(Stop):
+            o.serve(gathered, lambda keys: gathered, capture(o))
+    assert parts[id(a)][-1, 0] == 0 and parts[id(b)][-1, 0] == 1  # b's writer counted its cold row
+    total = parts[id(a)] + parts[id(b)]
+    for o in (a, b):  # every trainer learns it from the sum: all refuse the step alike
+        with pytest.raises(ColdRows, match=r"^1 rows of shards \[0, 1\]"):
+            o.serve(gathered, lambda keys: gathered, lambda x: total)
+    assert a.counts[0].exact_reads == 0 and b.counts[1].exact_reads == 0  # nothing counted or kept
