@@ -35,13 +35,13 @@ class Journal:
 
     def record(self, rec: dict) -> None:
         """A failure record, durable at once (a restart that follows must not lose it), and its one
-        line on the terminal (rank 0 of a run, which has a folder; a trainer's death has had its line
-        from the launcher; a manager without a folder, as the benchmarks drive one, prints none)."""
+        line on the terminal (rank 0 of a run, which has a folder; a manager without a folder, as the
+        benchmarks drive one, prints none). A trainer's death had a line from the launcher as it
+        happened; this one says what it cost, once the group trains again."""
         self.failures.append(rec)
         if self.run_dir is not None and self.rank == 0:
             append_line(layout.failures_file(self.run_dir), rec)
-            if rec.get("strategy") != "restart":
-                self.say(failure_line(rec))
+            self.say(failure_line(rec))
 
     @staticmethod
     def say(line: str) -> None:
@@ -109,6 +109,8 @@ class Journal:
             if death in seen:
                 continue
             died_at = info.get("step")
+            detected = max(0.0, t_restart - info["time"])  # the death to the new group's first call here
+            heal = time.time() - t_restart  # every shard back to the dense state's step
             self.record(
                 {
                     "kind": info.get("kind", "trainer"),
@@ -116,8 +118,15 @@ class Journal:
                     "step": died_at if died_at is not None else step + 1,
                     "strategy": "restart",
                     **({"shards": info["shards"]} if info.get("shards") else {}),
-                    "detected_after_s": round(max(0.0, t_restart - info["time"]), 4),
-                    "recovery_s": round(time.time() - t_restart, 4),
+                    "detected_after_s": round(detected, 4),
+                    "recovery_s": round(heal, 4),
+                    # what it cost: every trainer stopped from the death until the group trains
+                    # again (the steps after the dense state's are redone: ``replayed_steps``); a
+                    # restart recomputes every sample, none is skipped
+                    "waited_s": round(detected + heal, 4),
+                    "heal_s": round(heal, 4),
+                    "rejoin_step": step + 1,
+                    "samples_lost": 0,
                     "restored_bytes": restored_bytes,
                     "rolled_back_rows": rolled,
                     "lost_updates": 0,
@@ -139,6 +148,13 @@ def stale_words(recs: list[dict]) -> str:
 
 def failure_line(rec: dict) -> str:
     """A failure as the terminal says it: what failed at which step, how it came back, what it lost."""
+    if rec.get("strategy") == "restart":  # a trainer's (or a node's) death
+        return (
+            f"failure: {rec.get('kind', 'trainer')} {rec.get('target')} at step {rec.get('step')}: restart of the "
+            f"trainer group, every trainer waited {float(rec.get('waited_s') or 0):.2f} s, trained again from step "
+            f"{rec.get('rejoin_step')} ({int(rec.get('replayed_steps') or 0)} steps redone), "
+            f"{int(rec.get('samples_lost') or 0):,} samples lost"
+        )
     how = str(rec.get("strategy", "?"))
     if rec.get("restored_from_step") is not None:
         how += f" from step {rec['restored_from_step']}"

@@ -241,6 +241,26 @@ def run(
     deleting its keys."""
     out = Path(cfg.train.out)
     flag = "--resume" if resume else "--out"
+    with _resumed_at(resume):
+        return _run(cfg, out, flag, under_launcher, resume, take_over_namespace)
+
+
+@contextlib.contextmanager
+def _resumed_at(resume: bool):
+    """``RECSYS_RESUMED_AT``: when a ``--resume`` began (the run's wall time counts its set-up, not
+    the time it stood stopped: ``Trainer.elapsed_before``); unset for any other run."""
+    before = os.environ.pop("RECSYS_RESUMED_AT", None)
+    if resume:
+        os.environ["RECSYS_RESUMED_AT"] = repr(time.time())
+    try:
+        yield
+    finally:
+        os.environ.pop("RECSYS_RESUMED_AT", None)
+        if before is not None:
+            os.environ["RECSYS_RESUMED_AT"] = before
+
+
+def _run(cfg: RunConfig, out: Path, flag: str, under_launcher: bool, resume: bool, take_over_namespace: bool):
     if under_launcher:  # torchrun started us: the world is set, the shards already run
         # rank 0 writes the folder; the group's namespace is unique to this launch (rank 0 picks it)
         lock = OutLock(out, flag) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()

@@ -216,6 +216,8 @@ class Trainer:
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
         self._checkpoint_owed = False  # one came due while a shard was away: taken at its rejoin
+        self._resumed_from: tuple[float, float] | None = None  # (elapsed_s, saved_at) of the state resumed from
+        self._before = 0.0  # the run's wall time before this process trained (``elapsed_before``)
         self.clock = StepClock()
 
     # -- run state ----------------------------------------------------------------------------
@@ -227,6 +229,10 @@ class Trainer:
             "dense": {"model": model, "optim": optim},
             "run": {
                 "step": step,
+                # the run's wall time to here, restarts included, and when it was saved: a restart
+                # adds the time until it trains again (``elapsed_before``)
+                "elapsed_s": round(self.elapsed(), 3),
+                "saved_at": time.time(),
                 # the reader yields the batch of step + 1 next
                 "reader": {"position": step * self.batch_size, "global_batch_size": self.batch_size},
                 "schedule": self.schedule.state(),
@@ -260,6 +266,7 @@ class Trainer:
         self.reader.load_state_dict(run["reader"])
         self.step = int(run["step"]) + 1
         if not rollback:
+            self._resumed_from = (float(run.get("elapsed_s", 0.0)), float(run.get("saved_at", 0.0)))
             self.schedule.load(run["schedule"])
             self.recovery.load_state(run["recovery"])
 
@@ -279,6 +286,7 @@ class Trainer:
                 disable=self.rank != 0 or not self.cfg.train.progress,
             )
             self.t0 = time.perf_counter()
+            self._before = self.elapsed_before()
             self._first_step = self.step
             batch = next(self.reader)
             while True:
@@ -309,6 +317,23 @@ class Trainer:
             self.backend.close()
             self.reader.close()
             torch.set_num_threads(self._threads_before)
+
+    def elapsed_before(self) -> float:
+        """The run's wall time before this process's first step: 0 for a fresh start; after a
+        restart, the elapsed time of the state resumed from plus everything since it was saved (the
+        steps after it redone, the death, the new processes, their set-up): the run's figures cover
+        the whole run, restarts included. A ``--resume`` (``RECSYS_RESUMED_AT``, set by the launcher)
+        does not count the time the run stood stopped, only its own set-up."""
+        if self._resumed_from is None:
+            return 0.0
+        elapsed, saved_at = self._resumed_from
+        since = max(saved_at, float(os.environ.get("RECSYS_RESUMED_AT", "0") or 0))
+        return elapsed + max(0.0, time.time() - since) if since else elapsed
+
+    def elapsed(self) -> float:
+        """The run's wall seconds so far (restarts included); 0 before its first step."""
+        t0 = getattr(self, "t0", None)
+        return 0.0 if t0 is None else time.perf_counter() - t0 + self._before
 
     def show_progress(self, bar) -> None:
         bar.n = self.step
@@ -444,7 +469,7 @@ class Trainer:
                 "step": step,
                 "loss": float(mean_loss),
                 "samples": step * self.batch_size,
-                "elapsed_s": round(time.perf_counter() - self.t0, 3),
+                "elapsed_s": round(self.elapsed(), 3),
             }
             if eval_now:
                 out, res = self.evaluate(step)
@@ -715,6 +740,7 @@ class Trainer:
             t_setup=self.t_setup,
             t0=self.t0,
             wall=wall,
+            wall_before=self._before,
             warm=self._warm,
             final=res["eval"],
             digest=res["digest"],
@@ -742,7 +768,12 @@ class Trainer:
             state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})
             torch.save(state, self.cfg.final_model_path)
         self.out.log(
-            {"step": self.steps, "samples": self.steps * self.batch_size, "elapsed_s": round(wall, 3), **res["eval"]}
+            {
+                "step": self.steps,
+                "samples": self.steps * self.batch_size,
+                "elapsed_s": round(wall + self._before, 3),
+                **res["eval"],
+            }
         )
         self.out.finish(summary)
         return out, summary

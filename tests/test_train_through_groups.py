@@ -46,6 +46,17 @@ def test_two_trainers_train_and_evaluate_through_an_outage_and_a_trainer_kill(tm
     (resumed,) = [f for f in s["failures"] if f["kind"] == "shard" and "cut_short" not in f]
     assert resumed["phase"] == "resume" and resumed["target"] == 1, json.dumps(resumed)
     assert not list(out.glob("outage_shard*")), "the notes go once the records are made"
+    # the trainer's death: what it cost every trainer, where the group trained again, nothing skipped
+    (death,) = [f for f in s["failures"] if f["kind"] == "trainer"]
+    assert death["rejoin_step"] == 35 and death["samples_lost"] == 0, json.dumps(death)
+    assert death["waited_s"] == pytest.approx(death["detected_after_s"] + death["heal_s"], abs=2e-4), json.dumps(death)
+    assert death["waited_s"] > 0
+    # the run's figures cover the whole run, the restart included
+    assert s["wall_seconds"] > s["wall_seconds_before_restart"] > 0
+    assert s["throughput_samples_per_s"] == pytest.approx(s["samples_trained"] / s["wall_seconds"], rel=1e-3)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in records if "elapsed_s" in r]
+    assert elapsed == sorted(elapsed) and elapsed[-1] == s["wall_seconds"]
     # every trainer read the same rows: the evaluation at step 30 ran while shard 1 was away (every
     # trainer served its rows), and the restart at step 35 restored it from its log as a waiting restore
     assert aucs(out) == aucs(base2[0]) and 30 in dict(aucs(out))
