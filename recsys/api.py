@@ -266,11 +266,20 @@ def compare(runs: list[str | Path | Run], out: str | Path | None = None) -> Path
     return dest
 
 
-def export(run: str | Path | Run, to: str | Path, *, optimizer_state: bool = False, block_mb: float = 8.0):
+def export(
+    run: str | Path | Run,
+    to: str | Path,
+    *,
+    optimizer_state: bool = False,
+    block_mb: float = 8.0,
+    step: int | None = None,
+):
     """``recsys export``: the finished run's trained model (its ``final/``) as a DCP checkpoint of
     torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` in ``to`` (``recsys.exporter``). Rows are
-    read and written in blocks of about ``block_mb`` MB. -> ``recsys.exporter.ExportStats``;
+    read and written in blocks of about ``block_mb`` MB; ``step``: the run's checkpoint of that
+    step instead of its final model. -> ``recsys.exporter.ExportStats``;
     ``recsys.exporter.ExportError`` in one line for bad input."""
     from recsys.exporter import export as export_run
 
-    return export_run(run.path if isinstance(run, Run) else run, to, optimizer_state=optimizer_state, block_mb=block_mb)
+    where = run.path if isinstance(run, Run) else run
+    return export_run(where, to, optimizer_state=optimizer_state, block_mb=block_mb, step=step)

@@ -225,8 +225,10 @@ class StoreBackend(Backend):
         return update
 
     def fresh_start(self) -> None:
-        """A new run: the rows of this trainer's shards are known absent until it writes them."""
-        self.store.holding.assume_fresh()
+        """A new run: the rows of this trainer's shards are known absent until it writes them (not
+        so under ``--init-from``, whose rows were written before the first step)."""
+        if not self.cfg.train.init_from:
+            self.store.holding.assume_fresh()
 
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""

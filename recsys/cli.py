@@ -131,6 +131,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "the final embedding_digest reads every row; tables of more rows in all skip it (null digest)",
     ),
     "--out": ("train", "out", str, "run directory"),
+    "--init-from": (
+        "train",
+        "init_from",
+        str,
+        "start from the model in this torch.distributed.checkpoint folder (torchrec's DLRM, as recsys export "
+        "writes it): rows streamed into the shards, the dense layers loaded",
+    ),
     "--recovery": (
         "recovery",
         "recovery",
@@ -272,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-state",
         action="store_true",
         help="also write the optimizer state: the dense optimizer's and each table's row optimizer's (optim.*)",
+    )
+    ex.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="export the run's checkpoint of this committed step instead of its final model (the run may still run)",
     )
     ex.add_argument(
         "--block-mb",
@@ -472,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
             from recsys.exporter import ExportError, export
 
             try:
-                print(export(args.run, args.to, optimizer_state=args.optimizer_state, block_mb=args.block_mb).line())
+                stats = export(
+                    args.run, args.to, optimizer_state=args.optimizer_state, block_mb=args.block_mb, step=args.step
+                )
+                print(stats.line())
             except ExportError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2

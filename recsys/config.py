@@ -293,6 +293,11 @@ class TrainConfig:
     with its SHA-256 manifest (``recsys export`` and ``recsys verify`` read it). It costs a fork per
     shard and a copy of each snapshot (about the tables' bytes on disk, a second or two a GB here);
     ``--no-keep-model`` skips it. Runs of ``--embeddings local`` keep none."""
+    init_from: str = ""
+    """Start from the model in this ``torch.distributed.checkpoint`` folder (torchrec's ``DLRM`` over an
+    ``EmbeddingBagCollection``, as ``recsys export`` writes it): every table's rows streamed into the
+    shards a block at a time before the first step (the row optimizer's state too where the folder
+    holds it), the dense layers loaded. A fresh run only (a resume keeps its own state)."""
     digest_max_rows: int = 100_000_000
     """summary.json's embedding_digest reads every row of every table at the end (from the shards,
     on the tier); tables of more rows in all skip it (the digest is null, one line says so)."""

@@ -19,13 +19,23 @@ A torchrec model loads it with ``dcp.load(model.state_dict(), checkpoint_id=DIR)
 final AUC and logloss).
 
 Where the rows come from: the run's final model (``{run}/final/step_*``, written at the end of
-every run unless ``--no-keep-model``; its SHA-256 manifest is checked first). Each shard's snapshot
+every run unless ``--no-keep-model``; its SHA-256 manifest is checked first), or with ``--step N``
+the run's checkpoint of step N (a committed step of a run that may still be training). Each shard's snapshot
 is served by a temporary ``redis-server`` (started on a loopback port, stopped at the end) and the
 rows are read from it in blocks. Written table by table in bounded memory: every table is cut into
 row blocks of about ``--block-mb`` MB, each a chunk of its tensor in DCP's metadata, read from the
 shards only when DCP writes it (a ``SavePlanner`` whose ``resolve_data`` reads the rows), one file
 per chunk. The process holds about one block at a time whatever the tables' size; the temporary
 servers hold the snapshots (about the tables' bytes, in their own processes).
+
+Back into the tier (``recsys train --init-from DIR``, ``check_init_from``, ``stream_rows``,
+``load_dense``): a DCP folder of torchrec's keys starts a run. Before anything starts its metadata
+must hold every key of the run's model at the run's shape (else one line naming the key); rank 0
+streams each table's rows into the shards a block at a time (``BlockLoadPlanner``: DCP reads only
+the stored chunks a block overlaps, so a folder written here costs a block of memory; one written
+by torch whole, a table), with the row optimizer's state where the folder holds it; every trainer
+loads the dense layers. Export, ``--init-from``, export of the new run's checkpoint 0 gives equal
+tensors (``tests/test_export.py``).
 
 The run folder is read where it lies now (``recsys.rundir.run_config``): a run may be moved or
 copied. Bad input (not a run folder, an unfinished run, no final model, a damaged file, a ``--to``
@@ -48,9 +58,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from recovery import layout
 
@@ -88,6 +99,9 @@ class LazyTensor:
     rows: int
     cols: int | None
     read: Callable[[int, int], np.ndarray]
+    width: int = 0
+    """floats a row of its table takes in the checkpoint (its weights and the state written with
+    them): the tensors of a table are cut at the same rows, a block of about the same bytes"""
 
     @property
     def size(self) -> torch.Size:
@@ -148,7 +162,7 @@ def write_dcp(to: Path, state: dict, lazy: list[LazyTensor], block_bytes: int) -
     from torch.distributed.checkpoint import FileSystemWriter
 
     def block_rows(t: LazyTensor) -> int:
-        return max(1, block_bytes // (4 * (t.cols or 1)))
+        return max(1, block_bytes // (4 * (t.width or t.cols or 1)))
 
     planner = RowsSavePlanner(lazy, block_rows)
     writer = FileSystemWriter(str(to), single_file_per_rank=False, thread_count=1, sync_files=True)
@@ -200,6 +214,24 @@ def final_model(run: Path, namespace: str):
     except CorruptCheckpointError as e:
         raise ExportError(f"export {run}: its final model is damaged: {e}") from None
     return kept[0]
+
+
+def checkpoint_at(cfg, run: Path, namespace: str, step: int):
+    """The run's checkpoint of ``step`` (a committed step, the run finished or not), its files
+    checked against its manifest. ``ExportError`` where it is not kept or is damaged."""
+    from recovery.checkpoint import list_checkpoints
+    from recovery.errors import CorruptCheckpointError
+
+    kept = list_checkpoints(cfg.checkpoint_dir, namespace) if cfg.checkpoint_dir else []
+    found = [c for c in kept if c.step == step]
+    if not found:
+        steps = ", ".join(str(c.step) for c in reversed(kept)) or "none"
+        raise ExportError(f"export {run} --step {step}: no checkpoint of that step (kept: {steps})")
+    try:
+        found[0].verify()
+    except CorruptCheckpointError as e:
+        raise ExportError(f"export {run} --step {step}: the checkpoint is damaged: {e}") from None
+    return found[0]
 
 
 def dense_state(cfg, dense_dir: Path, optimizer_state: bool) -> tuple[dict, dict | None]:
@@ -261,10 +293,16 @@ def _check_target(to: Path) -> None:
 
 
 def export(
-    run_dir: str | os.PathLike, to: str | os.PathLike, *, optimizer_state: bool = False, block_mb: float = 8.0
+    run_dir: str | os.PathLike,
+    to: str | os.PathLike,
+    *,
+    optimizer_state: bool = False,
+    block_mb: float = 8.0,
+    step: int | None = None,
 ) -> ExportStats:
     """Write the trained model of the finished run in ``run_dir`` into ``to`` as a DCP checkpoint of
-    torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` (the module docstring). ``ExportError``
+    torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` (the module docstring); with ``step``,
+    the model of the run's checkpoint of that step instead (the run finished or not). ``ExportError``
     in one line for bad input."""
     from recsys.backends import open_store
     from recsys.config import ConfigError
@@ -284,7 +322,7 @@ def export(
         raise ExportError(f"export {run}: a Redis Cluster run's snapshots are per node: not exported here")
     _check_target(to)
     t0 = time.perf_counter()
-    ckpt = final_model(run, namespace)
+    ckpt = final_model(run, namespace) if step is None else checkpoint_at(cfg, run, namespace, step)
     dense, osd = dense_state(cfg, layout.dense_dcp_dir(ckpt.path), optimizer_state)
     n = len(cfg.embeddings.urls) or cfg.embeddings.shards
     files = [ckpt.shard_file(s) for s in range(n)]
@@ -325,13 +363,136 @@ def table_tensors(store, optimizer: str, optimizer_state: bool) -> list[LazyTens
 
             return read
 
-        out.append(LazyTensor(weight_key(name), spec.num_rows, dim, reader(slice(0, dim))))
-        if not optimizer_state:
-            continue
-        for what, first, end, per_row in ROW_STATE[optimizer]:
+        state = ROW_STATE[optimizer] if optimizer_state else []
+        width = dim + sum(1 if per_row else (end - first) * dim for _, first, end, per_row in state)
+        out.append(LazyTensor(weight_key(name), spec.num_rows, dim, reader(slice(0, dim)), width))
+        for what, first, end, per_row in state:
             lo_col, hi_col = (dim, dim + 1) if per_row else (dim + first * dim, dim + end * dim)
             cols = None if per_row else hi_col - lo_col
             read_cols = reader(slice(lo_col, hi_col))
             fn = (lambda lo, hi, r=read_cols: r(lo, hi)[:, 0]) if per_row else read_cols
-            out.append(LazyTensor(f"optim.state.{weight_key(name)}.{what}", spec.num_rows, cols, fn))
+            out.append(LazyTensor(f"optim.state.{weight_key(name)}.{what}", spec.num_rows, cols, fn, width))
     return out
+
+
+# -- into the tier: --init-from -------------------------------------------------------------------
+class BlockLoadPlanner(DefaultLoadPlanner):
+    """DCP's load of row ranges: ``wants`` maps a key to (the rows ``lo..hi`` of the checkpoint's
+    tensor, the tensor to fill with them): only the stored chunks that overlap them are read."""
+
+    def __init__(self, wants: dict[str, tuple[ChunkStorageMetadata, torch.Tensor]]) -> None:
+        super().__init__()
+        self.wants = wants
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for fqn, (chunk, _) in self.wants.items():
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        dest = self.wants[read_item.dest_index.fqn][1]
+        for d, (at, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            dest = dest.narrow(d, at, n)
+        return dest
+
+
+def read_metadata(path: str | os.PathLike, who: str = "--init-from"):
+    """The DCP checkpoint's metadata; ``ConfigError`` in one line where ``path`` holds none."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from recsys.config import ConfigError
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"{who} {path}: not a folder")
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a missing or damaged .metadata: one line
+        raise ConfigError(
+            f"{who} {path}: not a torch.distributed.checkpoint folder ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _size(md, key: str) -> tuple | None:
+    meta = md.state_dict_metadata.get(key)
+    return tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+
+
+def check_init_from(cfg) -> None:
+    """``--init-from DIR`` before anything starts: a DCP checkpoint holding every table's
+    ``embedding_bags.<table>.weight`` of the run's shape and every dense key of the run's model of
+    its shape. ``ConfigError`` naming the first key that is missing or of another shape."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from recsys.config import ConfigError
+    from recsys.model import build_dlrm, table_configs
+
+    path = cfg.train.init_from
+    md = read_metadata(path)
+    ebc = EmbeddingBagCollection(table_configs(cfg), device=torch.device("meta"))
+    for key, value in build_dlrm(cfg, ebc, stock=True).state_dict().items():
+        got = _size(md, key)
+        if got is None:
+            raise ConfigError(f"--init-from {path}: no {key} there (the run's model needs it, {list(value.shape)})")
+        if got != tuple(value.shape):
+            raise ConfigError(f"--init-from {path}: {key} is {list(got)}, the run's model has {list(value.shape)}")
+
+
+def load_dense(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """The dense state of the DCP checkpoint at ``path`` (torchrec's keys) into ``model`` in place."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {k: v for k, v in model.state_dict().items() if "embedding_bags" not in k}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(sd, strict=False)
+
+
+@dataclass
+class InitStats:
+    rows: int
+    row_bytes: int
+    seconds: float
+
+
+def stream_rows(store, path: str | os.PathLike, optimizer: str, block_mb: float = 8.0) -> InitStats:
+    """Every table's rows from the DCP checkpoint at ``path`` into ``store``: its weights, and the
+    row optimizer's state where the checkpoint holds it (``optim.state.<weight key>.<name>``, as
+    ``recsys export --optimizer-state`` writes it; else the optimizer's initial state). Read and
+    written a block of rows at a time (about ``block_mb`` MB, or a chunk as stored where that is
+    larger: DCP reads a stored chunk whole)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from embeddings.optim import initial_state
+
+    md = FileSystemReader(str(path)).read_metadata()
+    t0 = time.perf_counter()
+    rows_done = bytes_done = 0
+    for t, spec in enumerate(store.tables.specs):
+        name, dim, width = spec.name, spec.dim, store.width(t)
+        key = weight_key(name)
+        states = []
+        for what, first, end, per_row in ROW_STATE[optimizer]:
+            skey = f"optim.state.{key}.{what}"
+            shape = (spec.num_rows,) if per_row else (spec.num_rows, (end - first) * dim)
+            if _size(md, skey) == shape:
+                states.append((skey, dim, dim + 1) if per_row else (skey, dim + first * dim, dim + end * dim))
+        step = max(1, int(block_mb * (1 << 20)) // (4 * width))
+        for lo in range(0, spec.num_rows, step):
+            n = min(step, spec.num_rows - lo)
+            block = np.full((n, width), initial_state(store.optimizer), np.float32)
+            dest = torch.from_numpy(block)
+            wants = {key: (ChunkStorageMetadata(torch.Size([lo, 0]), torch.Size([n, dim])), dest[:, :dim])}
+            for skey, a, b in states:
+                cols = dest[:, a:b]
+                one = _size(md, skey) == (spec.num_rows,)
+                chunk = ChunkStorageMetadata(torch.Size([lo]), torch.Size([n])) if one else None
+                if chunk is None:
+                    chunk = ChunkStorageMetadata(torch.Size([lo, 0]), torch.Size([n, b - a]))
+                wants[skey] = (chunk, cols[:, 0] if one else cols)
+            dcp.load({}, checkpoint_id=str(path), planner=BlockLoadPlanner(wants), no_dist=True)
+            store.write_rows(name, np.arange(lo, lo + n), block)
+            rows_done += n
+            bytes_done += block.nbytes
+    return InitStats(rows_done, bytes_done, time.perf_counter() - t0)

@@ -284,6 +284,12 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
     else:
         run_id = new_run_id()
     namespace = cfg.embeddings.namespace or f"run-{run_id[:10]}"
+    if cfg.train.init_from and not resume:  # the model to start from, before anything starts
+        if cfg.embeddings.embeddings != "redis":
+            raise ConfigError(f"--init-from {cfg.train.init_from}: needs --embeddings redis (the rows go to the tier)")
+        from recsys.exporter import check_init_from
+
+        check_init_from(cfg)
     prepare(cfg)
     dense = layout.dense_latest(cfg.checkpoint_dir)
     if resume and not dense.exists():

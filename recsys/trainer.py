@@ -176,6 +176,11 @@ class Trainer:
             else StoreBackend(cfg, urls, namespace, world_size, rank)
         )
         self.plain = self.backend.model
+        if cfg.train.init_from:  # every rank alike, before DDP compares them (a resume loads its own after)
+            from recsys.exporter import load_dense
+
+            load_dense(self.plain, cfg.train.init_from)
+        self.init_stats: dict | None = None  # --init-from: what streaming the rows in cost (rank 0)
         self.model = DistributedDataParallel(self.plain) if world_size > 1 else self.plain
         self.opt = dense_optimizer(cfg, dense_params(self.plain))
         self.data = sources(cfg)
@@ -586,6 +591,8 @@ class Trainer:
             self.injector.step = self.step
             self.injector.start(fresh=resumed is None, barrier=self.coll.barrier)
         if resumed is None:
+            if self.cfg.train.init_from:
+                self.init_rows()
             self.recovery.fresh_start()
             self.backend.fresh_start()
             if self.schedule.enabled:
@@ -598,6 +605,22 @@ class Trainer:
         out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
+
+    def init_rows(self) -> None:
+        """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a
+        block at a time, before the first step (and before checkpoint 0, the base of any restore);
+        the others wait at a barrier."""
+        if self.rank == 0:
+            from recsys.exporter import stream_rows
+
+            st = stream_rows(self.backend.store, self.cfg.train.init_from, self.cfg.optim.optimizer)
+            self.init_stats = {
+                "path": self.cfg.train.init_from,
+                "rows": st.rows,
+                "bytes": st.row_bytes,
+                "seconds": round(st.seconds, 3),
+            }
+        self.coll.barrier()
 
     def _resume_from_checkpoint(self, why: str) -> dict:
         """The dense state and run state of the newest checkpoint whose files all verify (every
@@ -763,6 +786,8 @@ class Trainer:
         )
         if kept is not None:
             summary["final_model"] = kept
+        if self.init_stats is not None:
+            summary["init_from"] = self.init_stats
         if self.cfg.train.save_model:
             state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
             state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})

@@ -261,3 +261,59 @@ def test_verify_checks_the_final_model(trained, tmp_path):
     code, line = verify(out, say=said.append)
     assert code == 1 and "1 durable file(s) were skipped" in line, line
     assert any(s.startswith("verify: skipped the final model:") and "shard0.rdb has SHA-256" in s for s in said), said
+
+
+def dcp_tensors(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder (those whose keys start with ``skip`` left out), read back."""
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(tuple(m.size)) for k, m in meta.items() if hasattr(m, "size") and not k.startswith(skip)}
+    dcp.load(sd, checkpoint_id=str(folder))
+    return sd
+
+
+def test_init_from_round_trip_export_init_export_gives_equal_tensors(trained, tmp_path):
+    first = tmp_path / "first"
+    export(trained.path, first, optimizer_state=True, block_mb=0.05)
+    out = tmp_path / "again"
+    flags = ["--steps", "2", "--trainers", "1", "--shards", "3", "--rows-per-table", "3000", "--embedding-dim", "8"]
+    (tmp_path / "model.toml").write_text("[model]\ndense_arch = [16]\nover_arch = [16]\n")
+    flags += ["--config", str(tmp_path / "model.toml"), "--batch-size", "128", "--eval-samples", "4096"]
+    flags += ["--checkpoint-every", "100", "--init-from", str(first), "--out", str(out)]
+    proc = procs.run(["-m", "recsys", "train", *flags], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["init_from"]["rows"] == 26 * 3000 and s["init_from"]["bytes"] == 26 * 3000 * 9 * 4
+    # the run started from the trained model, not from scratch: two steps keep its AUC
+    assert abs(s["final_auc"] - trained.summary.final_auc) < 0.02, (s["final_auc"], trained.summary.final_auc)
+
+    second = tmp_path / "second"
+    export(out, second, optimizer_state=True, step=0)  # checkpoint 0: the tier as --init-from left it
+    dense_optim = ("optim.state.dense_arch", "optim.state.over_arch", "optim.param_groups")  # not carried
+    a, b = dcp_tensors(first, dense_optim), dcp_tensors(second, dense_optim)
+    assert a.keys() == b.keys() and len(a) == 8 + 26 + 26  # dense, weights, row-wise Adagrad's accumulators
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert float(a[f"optim.state.{weight_key('t_cat_5')}.momentum1"].abs().sum()) > 0
+
+
+def test_init_from_refuses_what_does_not_fit_in_one_line(trained, tmp_path):
+    from recsys.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--init-from .*nowhere: not a folder"):
+        recsys.train(recsys.configure(**SMALL, init_from=str(tmp_path / "nowhere"), out=str(tmp_path / "a")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"--init-from .*empty: not a torch.distributed.checkpoint folder"):
+        recsys.train(recsys.configure(**SMALL, init_from=str(tmp_path / "empty"), out=str(tmp_path / "b")))
+    export(trained.path, tmp_path / "dcp")
+    key = weight_key("t_cat_0")
+    with pytest.raises(ConfigError, match=rf"{key} is \[3000, 8\], the run's model has \[2000, 8\]"):
+        recsys.train(
+            recsys.configure(
+                **{**SMALL, "rows_per_table": 2000}, init_from=str(tmp_path / "dcp"), out=str(tmp_path / "c")
+            )
+        )
+    with pytest.raises(
+        ConfigError, match=r"over_arch.model.0._mlp.0._linear.weight is \[16, 359\], the run.s model has \[32, 359\]"
+    ):
+        recsys.train(
+            recsys.configure(**{**SMALL, "over_arch": [32]}, init_from=str(tmp_path / "dcp"), out=str(tmp_path / "d"))
+        )
