@@ -348,21 +348,28 @@ def test_weights_within_the_budget_load_into_torchrec_and_back_with_the_rows_equ
     torch.testing.assert_close(ours(kjt).values(), ref(kjt).values(), rtol=0, atol=1e-6)
 
 
-def test_a_weight_over_the_budget_is_refused_in_one_line_and_the_default_gives_none():
+def test_a_weight_over_the_budget_reads_its_rows_on_demand_and_the_default_gives_every_table_so():
+    from embeddings.module import RowsTensor
+
     configs = MIXED()
     store = make_store(configs, "sgd")
     small = StoreEmbeddingBagCollection(configs, store, weights_mb=1e-3)  # t1, t3, t4 fit; t0, t2 do not
     sizes = {c.name: c.num_embeddings * c.embedding_dim * 4 / 2**20 for c in configs}
     big = next(n for n, mb in sizes.items() if mb > 1e-3)
-    with pytest.raises(ValueError, match=rf"^table '{big}': [0-9.]+ MB of weights is over weights_mb=0.001 "):
-        _ = small.embedding_bags[big].weight
+    lazy = small.embedding_bags[big].weight
+    assert isinstance(lazy, RowsTensor) and "read on demand" in repr(lazy)
+    spec = store.tables.spec(big)
+    want = store.read_rows(big, np.arange(spec.num_rows))[:, : spec.dim]
+    assert tuple(lazy.shape) == want.shape and torch.equal(lazy.materialize(), torch.from_numpy(want))
     assert 0 < sum(mb <= 1e-3 for mb in sizes.values()) < len(sizes)
     sd = small.state_dict()
     for name, mb in sizes.items():
         key = f"embedding_bags.{name}"
-        assert (f"{key}.weight" in sd) == (mb <= 1e-3) and (f"{key}._extra_state" in sd) == (mb > 1e-3)
+        assert isinstance(sd[f"{key}.weight"], RowsTensor) == (mb > 1e-3)  # torchrec's key either way
+        assert (f"{key}._extra_state" in sd) == (mb > 1e-3)
     default = StoreEmbeddingBagCollection(configs, store).state_dict()
-    assert all(k.endswith("._extra_state") for k in default)  # the rows stay on the store
+    assert sorted(k for k in default if k.endswith(".weight")) == sorted(EmbeddingBagCollection(MIXED()).state_dict())
+    assert all(isinstance(v, RowsTensor) for k, v in default.items() if k.endswith(".weight"))
     with pytest.raises(ValueError, match="weights_mb=-1 must be >= 0"):
         StoreEmbeddingBagCollection(configs, store, weights_mb=-1)
 
