@@ -299,8 +299,8 @@ class TableLocation(nn.Module):
         to it stay here); beyond it a ``RowsTensor``, which reads them when an op needs them (and
         writes an in-place op's result back). Without a store (the meta device): one line."""
         name = self.entry["table"]
-        if self._store is None:
-            raise ValueError(f"table {name!r}: no store holds its rows (a module built on the meta device)")
+        if self._store is None:  # built on the meta device: the shape alone, as torchrec's module there
+            return torch.empty((self.entry["num_rows"], self.entry["dim"]), device="meta")
         if not self.as_weight:
             return RowsTensor.of(self._store, name)
         rows = self._store.read_rows(name, np.arange(self.entry["num_rows"]))
@@ -310,8 +310,10 @@ class TableLocation(nn.Module):
         if self.as_weight:  # torchrec's key alone: a torchrec module loads it as its own
             destination[prefix + "weight"] = self.weight
             return
-        if self._store is not None:  # torchrec's key, its rows read on demand (DCP: a block at a time)
-            destination[prefix + "weight"] = RowsTensor.of(self._store, self.entry["table"])
+        # torchrec's key: its rows read on demand (DCP: a block at a time); on the meta device, the shape
+        destination[prefix + "weight"] = (
+            RowsTensor.of(self._store, self.entry["table"]) if self._store is not None else self.weight
+        )
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
@@ -321,7 +323,9 @@ class TableLocation(nn.Module):
         key, extra = prefix + "weight", prefix + "_extra_state"
         weight = state_dict.get(key)
         table = self.entry["table"]
-        if isinstance(weight, RowsTensor):
+        if weight is not None and weight.is_meta:  # a module's on the meta device: no rows anywhere
+            pass
+        elif isinstance(weight, RowsTensor):
             if extra not in state_dict and self._store is not None and not weight.same_rows(self._store, table):
                 warnings.warn(
                     f"table {table!r}: load_state_dict moves no rows: the weight reads table {weight._table!r} "
@@ -445,7 +449,8 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if kernels not in KERNELS:
             raise ValueError(f"StoreEmbeddingBagCollection kernels={kernels!r}: one of {', '.join(KERNELS)}")
         self._kernels = kernels
-        self._device = torch.device(device) if device is not None else _HOST
+        # none given: the default device (``with torch.device("meta"):`` builds on meta, as torchrec's)
+        self._device = torch.device(device) if device is not None else torch.empty(0).device
         self._on_host = self._device.type == "cpu"
         names = set()
         for c in tables:

@@ -185,3 +185,16 @@ def test_dcp_save_of_a_tier_dlrm_holds_blocks_not_tables(tmp_path):
     meta = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
     w = meta["sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight"]
     assert tuple(w.size) == (200_000, 16) and len(w.chunks) == 13
+
+
+def test_the_weights_device_is_torchrecs_on_meta_by_argument_or_by_default():
+    configs = one_dim_configs()
+    name = configs[0].name
+    for ebc in (StoreEmbeddingBagCollection(configs, None, device=torch.device("meta")), None):
+        if ebc is None:
+            with torch.device("meta"):  # the default device, as torchrec's module takes it
+                ebc = StoreEmbeddingBagCollection(one_dim_configs(), None)
+        assert ebc.device.type == "meta" and ebc.embedding_bags[name].weight.device.type == "meta"
+        assert tuple(ebc.state_dict()[f"embedding_bags.{name}.weight"].shape) == (configs[0].num_embeddings, 8)
+    on_host = StoreEmbeddingBagCollection(configs, make_store(configs, "sgd"))
+    assert on_host.device.type == "cpu" and on_host.embedding_bags[name].weight.device.type == "cpu"
