@@ -273,13 +273,15 @@ def export(
     optimizer_state: bool = False,
     block_mb: float = 8.0,
     step: int | None = None,
+    redis: str | None = None,
 ):
     """``recsys export``: the finished run's trained model (its ``final/``) as a DCP checkpoint of
     torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` in ``to`` (``recsys.exporter``). Rows are
     read and written in blocks of about ``block_mb`` MB; ``step``: the run's checkpoint of that
-    step instead of its final model. -> ``recsys.exporter.ExportStats``;
+    step instead of its final model; ``redis``: the rows read from these live servers (the run's
+    shards, standing at that step). -> ``recsys.exporter.ExportStats``;
     ``recsys.exporter.ExportError`` in one line for bad input."""
     from recsys.exporter import export as export_run
 
     where = run.path if isinstance(run, Run) else run
-    return export_run(where, to, optimizer_state=optimizer_state, block_mb=block_mb, step=step)
+    return export_run(where, to, optimizer_state=optimizer_state, block_mb=block_mb, step=step, redis=redis)

@@ -287,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the run's checkpoint of this committed step instead of its final model (the run may still run)",
     )
     ex.add_argument(
+        "--redis",
+        default=None,
+        metavar="URLS",
+        help="read the rows from these live servers (the run's shards, comma-separated, one per shard), which must "
+        "stand at the exported step, instead of its snapshots",
+    )
+    ex.add_argument(
         "--block-mb",
         type=float,
         default=8.0,
@@ -486,7 +493,12 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 stats = export(
-                    args.run, args.to, optimizer_state=args.optimizer_state, block_mb=args.block_mb, step=args.step
+                    args.run,
+                    args.to,
+                    optimizer_state=args.optimizer_state,
+                    block_mb=args.block_mb,
+                    step=args.step,
+                    redis=args.redis,
                 )
                 print(stats.line())
             except ExportError as e:

@@ -20,7 +20,10 @@ final AUC and logloss).
 
 Where the rows come from: the run's final model (``{run}/final/step_*``, written at the end of
 every run unless ``--no-keep-model``; its SHA-256 manifest is checked first), or with ``--step N``
-the run's checkpoint of step N (a committed step of a run that may still be training). Each shard's snapshot
+the run's checkpoint of step N (a committed step of a run that may still be training). With
+``--redis URLS`` the rows are read from live servers instead (the run's shards, which keep its rows
+under its namespace when the project did not start them): they must stand at the exported step
+(every shard's applied marker, checked before and after the rows are read). Each shard's snapshot
 is served by a temporary ``redis-server`` (started on a loopback port, stopped at the end) and the
 rows are read from it in blocks. Written table by table in bounded memory: every table is cut into
 row blocks of about ``--block-mb`` MB, each a chunk of its tensor in DCP's metadata, read from the
@@ -299,11 +302,15 @@ def export(
     optimizer_state: bool = False,
     block_mb: float = 8.0,
     step: int | None = None,
+    redis: str | None = None,
 ) -> ExportStats:
     """Write the trained model of the finished run in ``run_dir`` into ``to`` as a DCP checkpoint of
     torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` (the module docstring); with ``step``,
-    the model of the run's checkpoint of that step instead (the run finished or not). ``ExportError``
-    in one line for bad input."""
+    the model of the run's checkpoint of that step instead (the run finished or not). ``redis``
+    (comma-separated URLs, one per shard): the rows are read from those live servers (the run's own
+    shards, under its namespace), which must stand at the step of the dense state exported (every
+    shard's applied marker, before and after the rows are read). ``ExportError`` in one line for bad
+    input."""
     from recsys.backends import open_store
     from recsys.config import ConfigError
     from recsys.rundir import read_run_file, run_config
@@ -325,16 +332,23 @@ def export(
     ckpt = final_model(run, namespace) if step is None else checkpoint_at(cfg, run, namespace, step)
     dense, osd = dense_state(cfg, layout.dense_dcp_dir(ckpt.path), optimizer_state)
     n = len(cfg.embeddings.urls) or cfg.embeddings.shards
+    live = [u for u in redis.split(",") if u] if redis else None
+    if live is not None and len(live) != n:
+        raise ExportError(f"--redis {redis}: {len(live)} URL(s), the run has {n} shards")
     files = [ckpt.shard_file(s) for s in range(n)]
-    with snapshot_servers(files) as urls:
+    with contextlib.nullcontext(live) if live is not None else snapshot_servers(files) as urls:
         store = open_store(cfg, urls, namespace, replicas=False)
         try:
+            if live is not None:
+                _at_step(store, ckpt.step, run)
             lazy = table_tensors(store, cfg.optim.optimizer, optimizer_state)
             state: dict = dict(dense)
             if osd is not None:
                 state["optim"] = osd
             to.mkdir(parents=True, exist_ok=True)
             planner = write_dcp(to, state, lazy, int(block_mb * (1 << 20)))
+            if live is not None:
+                _at_step(store, ckpt.step, run, after=True)
         finally:
             store.close()
     seconds = time.perf_counter() - t0
@@ -347,6 +361,24 @@ def export(
         seconds=seconds,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+def _at_step(store, step: int, run: Path, after: bool = False) -> None:
+    """``ExportError`` unless every live shard's applied marker is ``step`` (the dense state's)."""
+    from embeddings.errors import EmbeddingStoreError
+
+    try:
+        steps = store.applied_steps()
+    except EmbeddingStoreError as e:
+        raise ExportError(f"export {run} --redis: {e}") from None
+    off = [(s, got) for s, got in enumerate(steps) if got != step and not (got is None and step == 0)]
+    if off:
+        s, got = off[0]
+        when = "moved while its rows were read" if after else "is not at the exported step"
+        raise ExportError(
+            f"export {run} --redis: shard {s} {when}: it applied step {got}, the dense state is of step {step} "
+            "(export a live tier that stands still: a finished run, or a stopped one with --step of its newest checkpoint)"
+        )
 
 
 def table_tensors(store, optimizer: str, optimizer_state: bool) -> list[LazyTensor]:

@@ -317,3 +317,29 @@ def test_init_from_refuses_what_does_not_fit_in_one_line(trained, tmp_path):
         recsys.train(
             recsys.configure(**{**SMALL, "over_arch": [32]}, init_from=str(tmp_path / "dcp"), out=str(tmp_path / "d"))
         )
+
+
+def test_export_from_a_live_tier_at_its_committed_step(tmp_path, redis_servers):
+    """A run on servers the project did not start keeps its rows there: exported from them (at the
+    step they stand at), the same tensors as from its final snapshots; a dense state of another
+    step is refused in one line."""
+    servers = redis_servers(2)
+    out = tmp_path / "run"
+    common = {k: v for k, v in SMALL.items() if k != "shards"}
+    # max_restarts=0: the trainer runs in this process (a trainer forked from the pytest process after
+    # the tests before it hung once in a futex with no CPU time: a lock held at the fork)
+    cfg = recsys.configure(**common, redis=",".join(servers.urls), checkpoint_every=20, max_restarts=0, out=str(out))
+    recsys.train(cfg)
+    export(out, tmp_path / "snap", optimizer_state=True)
+    stats = recsys.export(out, tmp_path / "live", optimizer_state=True, redis=",".join(servers.urls))
+    assert stats.step == 40
+    skip = ("optim.param_groups",)
+    a, b = dcp_tensors(tmp_path / "snap", skip), dcp_tensors(tmp_path / "live", skip)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    with pytest.raises(
+        ExportError,
+        match=r"--redis: shard 0 is not at the exported step: it applied step 40, the dense state is of step 20",
+    ):
+        export(out, tmp_path / "old", step=20, redis=",".join(servers.urls))
+    with pytest.raises(ExportError, match=r"--redis .*: 1 URL\(s\), the run has 2 shards"):
+        export(out, tmp_path / "one", redis=servers.urls[0])
