@@ -343,3 +343,24 @@ def test_export_from_a_live_tier_at_its_committed_step(tmp_path, redis_servers):
         export(out, tmp_path / "old", step=20, redis=",".join(servers.urls))
     with pytest.raises(ExportError, match=r"--redis .*: 1 URL\(s\), the run has 2 shards"):
         export(out, tmp_path / "one", redis=servers.urls[0])
+
+
+def test_a_dcn_run_exports_to_torchrecs_dlrm_dcn(tmp_path):
+    from torchrec.models.dlrm import DLRM_DCN
+
+    out = tmp_path / "dcn"
+    run = recsys.train(recsys.configure(**{**SMALL, "save_model": False, "steps": 20}, model="dcn", out=str(out)))
+    export(out, tmp_path / "dcp")
+    cfg = run.config
+    model = DLRM_DCN(
+        embedding_bag_collection=EmbeddingBagCollection(tables=table_configs(cfg), device=torch.device("cpu")),
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=[*cfg.model.dense_arch, cfg.model.embedding_dim],
+        over_arch_layer_sizes=[*cfg.model.over_arch, 1],
+        dcn_num_layers=cfg.model.dcn_layers,
+        dcn_low_rank_dim=cfg.model.dcn_low_rank,
+    )
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    got, _ = eval_logits(model, cfg)
+    np.testing.assert_array_equal(got, tier_logits(run))
