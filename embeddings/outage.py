@@ -212,13 +212,19 @@ class OutageRows:
         return rows, exact
 
     def cold(self, keys: np.ndarray) -> int:
-        """How many of ``keys`` (sorted, of shards this trainer writes that are away) are neither in
-        the outage rows nor known never written: rows whose exact value only the restore has."""
+        """How many of ``keys`` (sorted, of shards this trainer writes that are away) are neither exact
+        in the outage rows nor known never written: rows whose exact value only the restore has (a
+        row an update kept a gradient for, where the shard failed between a step's stage and its
+        update, is one: its value here is a shadow)."""
         shards = self.shard_of(keys)
         n = 0
         for s in np.unique(shards).tolist():
             k = keys[shards == s]
-            new = self._shards[s].slots(k) < 0
+            sh = self._shards[s]
+            slots = sh.slots(k)
+            found = slots >= 0
+            n += int((~sh.exact[slots[found]]).sum())
+            new = ~found
             if new.any():
                 known = self.absent(k[new]) if self.absent is not None else np.zeros(int(new.sum()), bool)
                 n += int((~known).sum())

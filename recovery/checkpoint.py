@@ -113,7 +113,7 @@ class Checkpoint:
                     f"of namespace {rec.get('namespace')!r}, not shard {shard}'s of {key_namespace!r}"
                 )
             return
-        why = snapshot_mismatch(self.path / name, key_namespace, shard, check_applied=False)
+        why = snapshot_mismatch(self.path / name, key_namespace, shard, check_applied=False, unstamped_ok=True)
         if why:
             raise CorruptCheckpointError(f"checkpoint step {self.step}: {why}")
 
@@ -308,10 +308,10 @@ class Checkpointer:
             shutil.rmtree(path)  # an unfinished attempt, an abandoned timeline, or another run's
         path.mkdir(parents=True)
         saves_before: dict = {}
-        self._stamped = {}
+        # every shard stamped before any fork: a cluster node's logical shards share one fork
+        self._stamped = {s: self.store.markers.stamp(s) for s in range(self.store.num_shards)}
         try:
             for s in range(self.store.num_shards):
-                self._stamped[s] = self.store.markers.stamp(s)  # the snapshot names its shard and marker
                 if s in self.local and not self.network_only:
                     saves_before[s] = self.store.call(s, lambda c: self._fork(c))
                 else:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from embeddings.errors import EmbeddingStoreError
+
 SHARD_KEY = b"meta:shard"
 APPLIED_KEY = b"meta:applied"
 
@@ -38,11 +40,18 @@ def snapshot_identity(path: Path, key_namespace: str) -> tuple[list[int], list[i
 
 
 def snapshot_mismatch(
-    path: Path, key_namespace: str, shard: int, applied: int | None = None, check_applied=True
+    path: Path, key_namespace: str, shard: int, applied: int | None = None, check_applied=True, unstamped_ok=False
 ) -> str:
     """Why the snapshot at ``path`` is not shard ``shard``'s of namespace ``key_namespace`` with
-    applied marker ``applied`` (None: never applied); '' where it is."""
-    shards, markers = snapshot_identity(path, key_namespace)
+    applied marker ``applied`` (None: never applied); '' where it is. ``unstamped_ok``: a file with
+    no identity key passes (a checkpoint written before identity keys: only another shard's key
+    fails it). A file that does not parse is named too."""
+    try:
+        shards, markers = snapshot_identity(path, key_namespace)
+    except (OSError, ValueError, EmbeddingStoreError) as e:
+        return f"{path} cannot be read for its identity ({e})"
+    if not shards and unstamped_ok:
+        return ""
     if not shards:
         return f"{path} holds no identity key of namespace {key_namespace!r}: it is not shard {shard}'s snapshot"
     if shards != [shard]:

@@ -266,7 +266,7 @@ class TrainThrough:
                     "own record, phase resume)"
                 ),
             }
-            if at > step + 1:  # the steps of the outage were all taken back
+            if at >= step + 1:  # the steps of the outage were all taken back
                 rec["cut_short"] = f"a trainer restart: the run went on from step {step}, before the outage's step"
             journal.record(rec)
             path.unlink(missing_ok=True)

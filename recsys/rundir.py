@@ -306,9 +306,14 @@ def run_config(run_dir: str | Path, who: str = "") -> RunConfig:
         given = d["recovery"][key]
         if given:
             rel = os.path.relpath(os.path.abspath(given), was)
-            if rel == "." or not rel.startswith(".."):  # inside the run's folder: where that lies now
+            if not _outside(rel):  # inside the run's folder: where that lies now
                 d["recovery"][key] = str(run_dir / rel) if rel != "." else str(run_dir)
     return RunConfig.from_dict(d, source=str(path))
+
+
+def _outside(rel: str) -> bool:
+    """A relative path that leaves its base folder (``..``, ``../x``; not a folder named ``..x``)."""
+    return rel == os.pardir or rel.startswith(os.pardir + os.sep)
 
 
 def outside_paths(cfg: RunConfig, who: str) -> list[str]:
@@ -317,7 +322,7 @@ def outside_paths(cfg: RunConfig, who: str) -> list[str]:
     out = os.path.abspath(cfg.train.out)
     lines = []
     for flag, folder in (("--checkpoint-dir", cfg.checkpoint_dir), ("--log-dir", cfg.log_dir)):
-        if folder and os.path.relpath(os.path.abspath(folder), out).startswith(".."):
+        if folder and _outside(os.path.relpath(os.path.abspath(folder), out)):
             lines.append(
                 f"{who}: reads {flag} {folder}, outside the run folder {cfg.train.out} (as the run recorded it)"
             )

@@ -449,9 +449,14 @@ class Trainer:
         self.schedule.observe(step, time.perf_counter() - self._t_step)
         out = CONTINUE
         if reads:  # saves and evaluation read the shards as of this step
+            away = self.recovery.outage_active
             out = self.recovery.commit_behind(step, reads=True)
             if out.rolled_back:
                 return out
+            if self.recovery.outage_active and not away:
+                # a shard failed under that write and went away (--train-through): the saves due were
+                # decided with every shard there, so it rejoins first (the run waits for its restore)
+                self.recovery.end_outage(step + 1)
         if ckpt_due:
             self._checkpoint_owed = False
             out = self.checkpoint(step)
@@ -678,7 +683,8 @@ class Trainer:
         return Checkpointer(
             layout.final_dir(self.cfg.train.out),
             keep=1,
-            shards=self.specs,
+            # after a failover a shard is served by its replica: its snapshot over the network (as the factory's)
+            shards=[] if self.cfg.recovery.recovery == "replica" else self.specs,
             store=self.backend.store,
             run=self.namespace,
             warn=lambda line: print(line.replace("checkpoint at", "final model at"), file=sys.stderr),
@@ -705,6 +711,8 @@ class Trainer:
         out = self.recovery.commit_behind(self.steps, reads=True)  # the last step's write-behind
         if out.rolled_back:
             return out, None
+        # a shard that failed under that write went away (--train-through): it rejoins before anything reads it
+        self.recovery.end_outage(self.steps + 1)
         commit = self.dense_saver.committer(self.steps)  # every row of the last step is on its shard
         if commit is not None:
             commit()

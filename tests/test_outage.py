@@ -126,6 +126,12 @@ def test_where_every_read_must_be_exact_a_row_no_writer_holds_is_refused_before_
         o.serve(np.array([2, 4, 6]))
     assert e.value.count == 2 and o.counts[0].exact_reads == 2 and o.cold(np.array([4, 6])) == 2
     assert o.own_rows(np.array([4]), keep=False)[1].tolist() == [False]  # nothing was added
+    # a shard that failed between a step's stage and its update: the update keeps a gradient for a
+    # row it did not hold (a shadow value); a later read of it is cold too, never the shadow
+    o.update(np.array([6]), rows_of(7.0), np.ones((1, WIDTH), np.float32), 3)
+    assert o.cold(np.array([6])) == 1
+    with pytest.raises(ColdRows):
+        o.serve(np.array([6]))
 
     a = OutageRows(init, shard_of, mine={0}, budget_bytes=1 << 20)
     b = OutageRows(init, shard_of, mine={1}, budget_bytes=1 << 20)
