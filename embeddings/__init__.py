@@ -3,7 +3,7 @@
 import importlib
 
 # name -> the module that defines it; loaded on first use, so that importing one light module of
-# the package (``embeddings.errors``, ``embeddings.launcher``) does not import torch
+# the package (``embeddings.errors``, ``embeddings.servers.launcher``) does not import torch
 _WHERE = {
     "DimMismatchError": "errors",
     "EmbeddingStoreError": "errors",
@@ -13,7 +13,7 @@ _WHERE = {
     "ShardUnavailableError": "errors",
     "StoreAuthError": "errors",
     "UnknownTableError": "errors",
-    "LocalShards": "launcher",
+    "LocalShards": "servers.launcher",
     "SGD": "optim",
     "Adagrad": "optim",
     "Adam": "optim",
@@ -21,10 +21,11 @@ _WHERE = {
     "RowWiseAdagrad": "optim",
     "make_optimizer": "optim",
     "state_of": "optim",
-    "RedisStore": "redis_store",
+    "RedisStore": "store.redis_store",
     "ShardMap": "shard_map",
-    "EmbeddingStore": "store",
-    "InProcessStore": "store",
+    "StoreEmbeddingBagCollection": "bags.module",
+    "EmbeddingStore": "store.base",
+    "InProcessStore": "store.base",
     "TableSet": "tables",
     "TableSpec": "tables",
 }
@@ -57,6 +58,7 @@ __all__ = [
     "ShardTimeoutError",
     "ShardUnavailableError",
     "StoreAuthError",
+    "StoreEmbeddingBagCollection",
     "TableSet",
     "TableSpec",
     "UnknownTableError",

@@ -9,17 +9,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 from embeddings import RedisStore
-from embeddings.launcher import ShardSpec
-from recovery import layout
-from recovery.checkpoint import Checkpointer
-from recovery.incremental import Flusher
+from embeddings.servers.launcher import ShardSpec
+from recovery.durable import layout
+from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.log import ShardLog
 from recovery.inject import Injector
 from recovery.interface import NoRecovery, Recovery
-from recovery.log import ShardLog
 from recovery.manager import RecoveryManager
-from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
 from recovery.protocol import Collective
-from recovery.restart import trim_kept
+from recovery.restore.trainer_restart import trim_kept
+from recovery.saves.incremental import Flusher
+from recovery.saves.priority import MFUTracker, PrioritySaver, SSUTracker
 from recovery.strategy import Strategy
 
 

@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recovery import layout
+from recovery.durable import layout
+from recovery.durable.files import append_line, read_lines, write_atomic
 from recovery.errors import InjectionSpecError
-from recovery.files import append_line, read_lines, write_atomic
 
 PHASES = ("checkpoint", "eval", "recovery", "resume")
 _WHEN = r"(?:step=(\d+)|t=(\d+(?:\.\d+)?)|during=(" + "|".join(PHASES) + r"))"
@@ -352,7 +352,7 @@ class Injector:
     def _command(self, shard: int, *args: str) -> None:
         import redis
 
-        from embeddings.endpoints import one_try
+        from embeddings.net.endpoints import one_try
 
         # one try: SHUTDOWN drops the connection, and a retry would only wait to fail
         client = redis.Redis.from_url(self.urls[shard], socket_timeout=5.0, socket_connect_timeout=5.0, retry=one_try())

@@ -12,7 +12,7 @@ from typing import Protocol
 from recovery.accounting import UpdateCounter
 from recovery.manager import BackgroundWrites, RecoveryManager
 from recovery.protocol import CONTINUE, Outcome
-from recovery.saves import RowSaves
+from recovery.saves.row_saves import RowSaves
 
 
 class Recovery(Protocol):

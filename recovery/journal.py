@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from recovery import layout
-from recovery.files import append_line, read_lines, write_atomic
+from recovery.durable import layout
+from recovery.durable.files import append_line, read_lines, write_atomic
 
 
 class Journal:

@@ -23,22 +23,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 from embeddings import RedisStore, rowkeys
-from embeddings.launcher import ShardSpec
+from embeddings.servers.launcher import ShardSpec
 from recovery.accounting import Ledger, UpdateCounter
-from recovery.checkpoint import Checkpointer
+from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.log import ShardLog
 from recovery.errors import RecoveryError
-from recovery.incremental import Flusher
 from recovery.inject import Injector
 from recovery.journal import Journal
-from recovery.log import ShardLog
-from recovery.priority import PrioritySaver
 from recovery.protocol import Collective, CommitPoints, Detector, Outcome, Verdict
-from recovery.restart import Restarts
-from recovery.restore import ShardRestore
-from recovery.restorers import RESTORERS, Full
-from recovery.saves import RowSaves
+from recovery.restore.shard_restore import ShardRestore
+from recovery.restore.strategies import RESTORERS, Full
+from recovery.restore.through import THROUGH_PHASES, TrainThrough
+from recovery.restore.trainer_restart import Restarts
+from recovery.saves.incremental import Flusher
+from recovery.saves.priority import PrioritySaver
+from recovery.saves.row_saves import RowSaves
 from recovery.strategy import Strategy
-from recovery.through import THROUGH_PHASES, TrainThrough
 from recovery.writer import SparseWriter
 
 STRATEGIES = tuple(s.value for s in Strategy)
@@ -79,7 +79,7 @@ class RecoveryManager:
     # step -> a wait that makes the dense state saved at ``step`` the restart point (or None): a
     # window's write runs it before its rows move (``DenseSaver.committer``)
     committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None
-    train_through: bool = False  # a failed shard is restored in the background (``recovery.through``)
+    train_through: bool = False  # a failed shard is restored in the background (``recovery.restore.through``)
     through_budget_bytes: int = 1 << 30  # what one trainer's outage rows and kept gradients may take
     warn: Callable[[str], None] = print  # where a line for the person at the terminal goes
 
@@ -245,7 +245,7 @@ class RecoveryManager:
         """Every trainer: background writes settle, rank 0 restores (its restorer), all learn its
         verdict, then reconnect to (or fail over to) the recovered shards and hold their rows again.
         With ``--train-through`` a failure in a step's stage or update is restored in the background
-        instead (``recovery.through``); an outage in progress ends first (the run waits for it)."""
+        instead (``recovery.restore.through``); an outage in progress ends first (the run waits for it)."""
         n = self.store.num_shards
         if self.through is not None:
             self.through.end(step, f"shards {failed} failed meanwhile")
@@ -294,7 +294,7 @@ class RecoveryManager:
         self.journal.mark_in_recovery([])
         return verdict
 
-    # -- training through a failure (``recovery.through``) ---------------------------------------
+    # -- training through a failure (``recovery.restore.through``) ---------------------------------------
     def poll_outage(self, step: int) -> None:
         """At the start of every step (every trainer): shards whose background restore is done rejoin."""
         if self.through is not None:
@@ -313,7 +313,7 @@ class RecoveryManager:
     def summary_failures(self) -> list[dict]:
         return self.journal.summary()
 
-    # -- starts and restarts (``recovery.restart``) ------------------------------------------------
+    # -- starts and restarts (``recovery.restore.trainer_restart``) ------------------------------------------------
     def on_rollback(self, to_step: int) -> None:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
         self.writes.on_rollback(to_step)
@@ -323,7 +323,7 @@ class RecoveryManager:
 
     def resume(self, step: int, t_restart: float, restored_bytes: int, rebuild: bool = False) -> Outcome:
         """After a trainer restart, with the dense state at ``step``: every shard back to ``step``
-        (``recovery.restart``). ``rebuild``: the dense state is checkpoint ``step``'s (the per-step
+        (``recovery.restore.trainer_restart``). ``rebuild``: the dense state is checkpoint ``step``'s (the per-step
         one was damaged): every shard is restored from that checkpoint, whatever the strategy (a
         replica or a log is ahead of it), and the outcome rolls back to it."""
         self._rebuild = rebuild

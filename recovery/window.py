@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from embeddings.held import HeldRows
+from embeddings.store.held import HeldRows
 
 
 def closes_window(step: int, every: int) -> bool:

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from embeddings import RedisStore, ShardUnavailableError, rowkeys
-from embeddings.module import sum_by_key
+from embeddings.bags.module import sum_by_key
+from recovery.durable.log import ShardLog
 from recovery.errors import RecoveryError
-from recovery.log import ShardLog
 from recovery.protocol import Detector
 from recovery.window import Window
 
@@ -140,7 +140,7 @@ class SparseWriter:
                     self._written(s, step, keys[at], new[at])
 
     def _apply_away(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
-        """A step's rows of shards that are away: updated in their outage's rows (``embeddings.outage``);
+        """A step's rows of shards that are away: updated in their outage's rows (``embeddings.store.outage``);
         the exact ones go to the logs as usual (a step with none logs an empty record: the log stays
         whole), the others keep their gradients for the restored rows."""
         current = self.store.read_keys(keys)

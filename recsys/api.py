@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery import layout
+from recovery.durable import layout
 from recsys.config import ConfigError, RunConfig
 
 
@@ -177,7 +177,7 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     """Read a run folder back (what ``train`` wrote there)."""
-    from recsys.rundir import run_config
+    from recsys.results.rundir import run_config
 
     p = Path(path)
     if not layout.config_file(p).is_file():
@@ -223,8 +223,8 @@ def resume(run_dir: str | Path, *, take_over_namespace: bool = False, **override
     """Finish a run that stopped (a shard that did not come back, Ctrl-C) from its folder.
 
     A finished run is refused (its results are kept), and so is an override of a setting the run
-    must keep (``recsys.rundir.RESUME_MAY_CHANGE`` lists those that may change)."""
-    from recsys.rundir import check_resume, resume_config
+    must keep (``recsys.results.rundir.RESUME_MAY_CHANGE`` lists those that may change)."""
+    from recsys.results.rundir import check_resume, resume_config
 
     base = resume_config(run_dir)
     cfg = configure(base=base, **overrides)
@@ -237,7 +237,7 @@ def bench_recovery(**options: Any) -> list[dict]:
     ``strategies="partial,log"``, ``out="runs/bench"``). Returns the table's rows."""
     import argparse
 
-    from recsys.bench import add_arguments, run_bench
+    from recsys.bench.recovery import add_arguments, run_bench
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -256,7 +256,7 @@ def bench_recovery(**options: Any) -> list[dict]:
 def compare(runs: list[str | Path | Run], out: str | Path | None = None) -> Path:
     """Runs side by side: ``compare.md`` (summary figures) and ``compare.png`` (loss and AUC
     curves on one plot, failures marked) in ``out`` (default: beside the first run). -> out."""
-    from recsys.comparison import write_comparison
+    from recsys.results.comparison import write_comparison
 
     loaded = [r if isinstance(r, Run) else load_run(r) for r in runs]
     if len(loaded) < 2:
@@ -276,12 +276,12 @@ def export(
     redis: str | None = None,
 ):
     """``recsys export``: the finished run's trained model (its ``final/``) as a DCP checkpoint of
-    torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` in ``to`` (``recsys.exporter``). Rows are
+    torchrec's ``DLRM`` over an ``EmbeddingBagCollection`` in ``to`` (``recsys.results.exporter``). Rows are
     read and written in blocks of about ``block_mb`` MB; ``step``: the run's checkpoint of that
     step instead of its final model; ``redis``: the rows read from these live servers (the run's
-    shards, standing at that step). -> ``recsys.exporter.ExportStats``;
-    ``recsys.exporter.ExportError`` in one line for bad input."""
-    from recsys.exporter import export as export_run
+    shards, standing at that step). -> ``recsys.results.exporter.ExportStats``;
+    ``recsys.results.exporter.ExportError`` in one line for bad input."""
+    from recsys.results.exporter import export as export_run
 
     where = run.path if isinstance(run, Run) else run
     return export_run(where, to, optimizer_state=optimizer_state, block_mb=block_mb, step=step, redis=redis)

@@ -16,7 +16,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from embeddings import RedisStore
-from embeddings.prefetch import Prefetcher
+from embeddings.bags.prefetch import Prefetcher
 from recsys.config import RunConfig
 from recsys.model import local_model, row_optimizer, store_model, table_set
 from recsys.sparse import StepUpdate, aggregate
@@ -93,7 +93,7 @@ class Backend:
     a backend whose rows live in this process (nothing to read ahead, stage, drain or restore)."""
 
     model: torch.nn.Module  # the DLRM over this backend's embedding module
-    # the Redis tier, whose counters (``embeddings.store.StoreCounters``) the run's summary reads;
+    # the Redis tier, whose counters (``embeddings.store.base.StoreCounters``) the run's summary reads;
     # None where the rows live in this process
     store: RedisStore | None = None
 

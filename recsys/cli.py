@@ -17,12 +17,12 @@ from pathlib import Path
 
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
-from embeddings.launcher import LauncherError
-from recovery import layout
+from embeddings.servers.launcher import LauncherError
+from recovery.durable import layout
 from recovery.errors import RecoveryError
 from recsys.config import PRESETS, ConfigError, RunConfig
 from recsys.errors import TrainerFailed, one_line, report_error
-from recsys.rundir import RESUME_MAY_CHANGE
+from recsys.results.rundir import RESUME_MAY_CHANGE
 
 KNOWN_ERRORS = (ConfigError, DataError, EmbeddingStoreError, LauncherError, RecoveryError)
 
@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m recsys", description="DLRM training on a Redis embedding tier")
     sub = ap.add_subparsers(dest="command", required=True)
     add_train_arguments(sub.add_parser("train", help="train a DLRM model"))
-    from recsys.bench import __doc__ as bench_doc
-    from recsys.bench import add_arguments
+    from recsys.bench.recovery import __doc__ as bench_doc
+    from recsys.bench.recovery import add_arguments
 
     br = sub.add_parser(
         "bench-recovery",
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser(
         "compare",
         help="put two or more run folders side by side (table and plot)",
-        description=_doc("recsys.comparison"),
+        description=_doc("recsys.results.comparison"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cp.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (changes are against the first)")
@@ -263,14 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser(
         "verify",
         help="rebuild a finished run's rows from its checkpoint and update logs and compare them with its final rows",
-        description=_doc("recsys.verify"),
+        description=_doc("recsys.results.verify"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     vf.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run")
     ex = sub.add_parser(
         "export",
         help="write a finished run's trained model as a torch.distributed.checkpoint of torchrec's DLRM",
-        description=_doc("recsys.exporter"),
+        description=_doc("recsys.results.exporter"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ex.add_argument("run", metavar="RUN_DIR", help="the folder of a finished run (its final model: final/)")
@@ -398,7 +398,7 @@ def flag_of(key: str) -> str:
 def resolve(args: argparse.Namespace) -> RunConfig:
     base = None
     if args.resume:
-        from recsys.rundir import resume_config
+        from recsys.results.rundir import resume_config
 
         if args.config:
             raise ConfigError(f"--config {args.config}: a resumed run's config is its own ({args.resume}/config.toml)")
@@ -451,7 +451,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     if under_torchrun and cfg.embeddings.embeddings == "redis" and cfg.embeddings.redis == "local":
         raise ConfigError("redis='local': under torchrun, --redis must list the URLs of shards that already run")
     if base is not None:
-        from recsys.rundir import check_resume
+        from recsys.results.rundir import check_resume
 
         check_resume(base, cfg, f"--resume {args.resume}", flag_of)
     return replace(cfg)
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             api.bench_recovery(**vars(args))
             return 0
         if args.command == "verify":
-            from recsys.verify import VerifyError, verify
+            from recsys.results.verify import VerifyError, verify
 
             try:
                 code, line = verify(args.run, say=lambda x: print(x, file=sys.stderr))
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stdout if code == 0 else sys.stderr)
             return code
         if args.command == "export":
-            from recsys.exporter import ExportError, export
+            from recsys.results.exporter import ExportError, export
 
             try:
                 stats = export(

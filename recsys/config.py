@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from embeddings.cluster import seed_urls
-from recovery import layout
+from embeddings.net.cluster import seed_urls
+from recovery.durable import layout
 
 NUM_TABLES = 26  # Criteo's categorical features, one table each
 AUTO_WINDOW = 16  # steps per write-behind window by default, where windows apply (RunConfig.window_steps)
@@ -153,7 +153,7 @@ class EmbeddingConfig:
     """Deadline of every store call; a shard that does not answer in time is failed."""
     kernels: Literal["fbgemm", "torch"] = "fbgemm"
     """The tier's pooling and its backward: ``fbgemm``, TBE's host kernels (the fused engine's own:
-    ``embeddings.kernels``) for every unweighted call over one dim's tables that each feed one
+    ``embeddings.bags.kernels``) for every unweighted call over one dim's tables that each feed one
     feature with one pooling (the DLRM and DCN presets' shape); ``torch``, ``index_select`` and
     ``embedding_bag`` (the path every other call takes). The update is the store's optimizer
     either way, after the trainers' row gradients are summed."""
@@ -392,8 +392,8 @@ class RecoveryConfig:
     it) before the run stops with an error; the run can then be finished with --resume OUT."""
 
     def __post_init__(self) -> None:
+        from recovery.durable.log import parse_fsync_policy
         from recovery.inject import parse_injection
-        from recovery.log import parse_fsync_policy
         from recovery.strategy import Strategy
 
         try:
@@ -445,7 +445,7 @@ class RecoveryConfig:
         )
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         if self.train_through:
-            from recovery.through import THROUGH
+            from recovery.restore.through import THROUGH
 
             _check(
                 strategy in THROUGH,
@@ -589,7 +589,7 @@ class RunConfig:
 
     @property
     def final_model_path(self) -> Path:
-        """``final_model.pt`` in the output folder (``--save-model``: ``recovery.layout.final_model_file``)."""
+        """``final_model.pt`` in the output folder (``--save-model``: ``recovery.durable.layout.final_model_file``)."""
         return layout.final_model_file(self.train.out)
 
     @classmethod

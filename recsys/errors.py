@@ -19,8 +19,8 @@ from pathlib import Path
 
 from data.errors import DataError
 from embeddings.errors import EmbeddingStoreError
-from embeddings.launcher import LauncherError
-from recovery import layout
+from embeddings.servers.launcher import LauncherError
+from recovery.durable import layout
 from recovery.errors import RecoveryError
 
 

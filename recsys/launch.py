@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 
 from embeddings import LocalShards
-from embeddings.cluster import seed_urls
-from embeddings.endpoints import check_endpoints, commands_needed
-from embeddings.launcher import free_port
-from recovery import layout
-from recovery.files import append_line, read_lines
+from embeddings.net.cluster import seed_urls
+from embeddings.net.endpoints import check_endpoints, commands_needed
+from embeddings.servers.launcher import free_port
+from recovery.durable import layout
+from recovery.durable.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
 from recsys.errors import TrainerFailed, read_errors
-from recsys.rundir import (
+from recsys.results.rundir import (
     OutLock,
     check_resume,
     check_unfinished,
@@ -234,10 +234,10 @@ def run(
     """Run one training job; returns rank 0's summary (None on other ranks under torchrun).
     ``resume``: finish the run in ``cfg.train.out`` (stopped by a fault) from its per-step dense
     state, checkpoints and logs (``resume_config`` gives its config; a finished run, or a config
-    that changes what the run must keep, is refused: ``recsys.rundir``).
+    that changes what the run must keep, is refused: ``recsys.results.rundir``).
 
     The run owns its folder (a lock held here for its life) and its namespace (a claim on every
-    shard, ``embeddings.ownership``); ``take_over_namespace`` takes a namespace another run left,
+    shard, ``embeddings.net.ownership``); ``take_over_namespace`` takes a namespace another run left,
     deleting its keys."""
     out = Path(cfg.train.out)
     flag = "--resume" if resume else "--out"
@@ -287,7 +287,7 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
     if cfg.train.init_from and not resume:  # the model to start from, before anything starts
         if cfg.embeddings.embeddings != "redis":
             raise ConfigError(f"--init-from {cfg.train.init_from}: needs --embeddings redis (the rows go to the tier)")
-        from recsys.exporter import check_init_from
+        from recsys.results.exporter import check_init_from
 
         check_init_from(cfg)
     prepare(cfg)

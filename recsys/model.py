@@ -11,7 +11,7 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from data.criteo import NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
 from embeddings import EmbeddingStore, TableSet, make_optimizer
-from embeddings.module import StoreEmbeddingBagCollection
+from embeddings.bags.module import StoreEmbeddingBagCollection
 from embeddings.rowinit import init_rows
 from recsys.config import RunConfig
 

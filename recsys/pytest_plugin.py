@@ -33,7 +33,7 @@ def redis_servers(tmp_path):
         return servers
 
     yield start
-    from embeddings.launcher import process_state
+    from embeddings.servers.launcher import process_state
 
     for s in started:
         s.close()

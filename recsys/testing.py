@@ -49,7 +49,7 @@ def small_config(out: str | Path, **overrides: Any):
 
 def _free_port_below(limit: int = 55_000) -> int:
     """A free loopback port; below ``limit`` so that a cluster node's bus port (+10000) exists."""
-    from embeddings.launcher import free_port
+    from embeddings.servers.launcher import free_port
 
     while (port := free_port()) > limit:
         pass
@@ -238,7 +238,7 @@ class FailureSchedule:
     def drawn(cls, steps: int, mtbf: float, shards: int, seed: int = 0) -> FailureSchedule:
         """Shard kills at exponentially distributed gaps of mean ``mtbf`` steps, a seeded random shard
         each (the draw ``bench-recovery --sweep`` uses)."""
-        from recsys.bench import mtbf_schedule
+        from recsys.bench.recovery import mtbf_schedule
 
         return cls(mtbf_schedule(steps, mtbf, shards, seed))
 

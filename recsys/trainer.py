@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 from data.batches import BatchReader, make_batch
 from data.progress import progress
-from embeddings.launcher import ShardSpec
-from embeddings.outage import ColdRows
-from recovery.dense import DenseSaver, NoDenseSaver
+from embeddings.servers.launcher import ShardSpec
+from embeddings.store.outage import ColdRows
+from recovery.durable.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.factory import RecoverySettings, build_recovery
 from recovery.protocol import CONTINUE, Collective, Outcome
@@ -52,11 +52,11 @@ from recsys.clock import WARMUP_STEPS, StepClock
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import report_error, reserve_space
-from recsys.metrics import evaluate_scores
 from recsys.model import dense_optimizer, dense_params
-from recsys.outputs import NullOutputs, RunOutputs, embedding_digest
+from recsys.results.metrics import evaluate_scores
+from recsys.results.outputs import NullOutputs, RunOutputs, embedding_digest
+from recsys.results.summary import SaveTotals, run_summary
 from recsys.schedule import Schedule
-from recsys.summary import SaveTotals, run_summary
 
 EVAL_BATCH = 4096
 MAX_COLD_WAITS = 16
@@ -177,7 +177,7 @@ class Trainer:
         )
         self.plain = self.backend.model
         if cfg.train.init_from:  # every rank alike, before DDP compares them (a resume loads its own after)
-            from recsys.exporter import load_dense
+            from recsys.results.exporter import load_dense
 
             load_dense(self.plain, cfg.train.init_from)
         self.init_stats: dict | None = None  # --init-from: what streaming the rows in cost (rank 0)
@@ -616,7 +616,7 @@ class Trainer:
         block at a time, before the first step (and before checkpoint 0, the base of any restore);
         the others wait at a barrier."""
         if self.rank == 0:
-            from recsys.exporter import stream_rows
+            from recsys.results.exporter import stream_rows
 
             st = stream_rows(self.backend.store, self.cfg.train.init_from, self.cfg.optim.optimizer)
             self.init_stats = {
@@ -672,11 +672,11 @@ class Trainer:
 
     def final_keeper(self):
         """Rank 0 of a tier run (``--keep-model``, the default): what writes the trained model into
-        ``{out}/final`` (``recovery.layout.final_dir``) as a checkpoint: every shard's final snapshot,
-        the dense state, a manifest (a ``recovery.checkpoint.Checkpointer``). None where the run
+        ``{out}/final`` (``recovery.durable.layout.final_dir``) as a checkpoint: every shard's final snapshot,
+        the dense state, a manifest (a ``recovery.durable.checkpoint.Checkpointer``). None where the run
         keeps none."""
-        from recovery import layout
-        from recovery.checkpoint import Checkpointer
+        from recovery.durable import layout
+        from recovery.durable.checkpoint import Checkpointer
 
         if not self.cfg.train.keep_model or self.rank != 0 or self.backend.store is None:
             return None
@@ -831,7 +831,7 @@ def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: in
     namespace from it (a broadcast on the group just formed). A group the elastic agent restarted
     (``TORCHELASTIC_RESTART_COUNT`` > 0) of the same launch, or a ``--resume``, keeps the run's.
     ``claim``: ``take_over`` (``--take-over-namespace``), ``resume`` (``--resume``)."""
-    from recsys import rundir
+    from recsys.results import rundir
 
     said: list = [None, None]  # rank 0's namespace, or its error line
     error: Exception | None = None

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec  # noqa: E402
 from embeddings.errors import ShardTimeoutError, ShardUnavailableError  # noqa: E402
-from embeddings.launcher import free_port  # noqa: E402
+from embeddings.servers.launcher import free_port  # noqa: E402
 
 TRAIN = ["--rows-per-table", "2000", "--batch-size", "256", "--embedding-dim", "8", "--eval-every", "0"]
 TRAIN += ["--eval-samples", "2048", "--log-every", "5"]

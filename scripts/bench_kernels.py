@@ -4,7 +4,7 @@
 fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (the fused engine's kernels: pooling, backward
 and the row-wise Adagrad update fused) over host tables, against what the tier computes for the same
 batch: the batch's unique rows gathered from a row table, pooled and differentiated by TBE's host
-forward and dense backward (``embeddings.kernels``, the tier's default ``--kernels fbgemm``) or by
+forward and dense backward (``embeddings.bags.kernels``, the tier's default ``--kernels fbgemm``) or by
 ``index_select`` (one id a bag, as Criteo's features) or ``embedding_bag`` (``--bag-sizes``:
 multi-hot bags, as the mlperf-v2 preset's) (``--kernels torch``), then row-wise Adagrad on the
 unique rows and their scatter back.
@@ -50,7 +50,7 @@ def main() -> None:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from embeddings.kernels import pool
+    from embeddings.bags.kernels import pool
 
     t, r, d, b = args.tables, args.rows_per_table, args.embedding_dim, args.batch_size
     sizes = bag_sizes(args.bag_sizes, t)

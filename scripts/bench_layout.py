@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Bytes per row and row rates of candidate Redis layouts for embedding rows, side by side.
 
-One local ``redis-server`` (``embeddings.launcher.LocalShards``). For each row width (dim 16, 64,
+One local ``redis-server`` (``embeddings.servers.launcher.LocalShards``). For each row width (dim 16, 64,
 128 with row-wise Adagrad's one float of state: 68, 260, 516 bytes) and each id set (``zipf``: the
 N hottest ranks of a Zipf stream scattered over a 1M-row table as the synthetic data scatters
 them, so 20% of the table at N = 200k; ``dense``: ids 0..N-1), every layout writes N rows into an
@@ -17,7 +17,7 @@ Layouts:
   string         one string per row, key prefix + id (8 bytes), through the project's wire path as
                  it was before the buckets (``MULTI / EXISTS / MGET / EXEC`` per 2048 rows, ``MSET``
                  per 2048 rows; kept here as ``StringConn`` for this comparison)
-  buckets        what the store does now (``embeddings.buckets`` through ``embeddings.wire``): hash
+  buckets        what the store does now (``embeddings.store.buckets`` through ``embeddings.net.wire``): hash
                  buckets of as many rows as fill a jemalloc size class <= 16 KiB (110 at dim 16, 61
                  at dim 64, 31 at dim 128, one shard), one pipelined HGET / HSET per row, one HSET
                  per bucket where a write holds 4 rows a bucket or more
@@ -53,9 +53,9 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embeddings.buckets import BucketLayout  # noqa: E402
-from embeddings.launcher import LocalShards  # noqa: E402
-from embeddings.wire import RowConnection, WireError, encode_command  # noqa: E402
+from embeddings.net.wire import RowConnection, WireError, encode_command  # noqa: E402
+from embeddings.servers.launcher import LocalShards  # noqa: E402
+from embeddings.store.buckets import BucketLayout  # noqa: E402
 
 TABLE_ROWS = 1_000_000
 STATE = 1  # row-wise Adagrad: one float of state per row
@@ -261,12 +261,12 @@ class StringLayout:
 
 
 class BucketsLayout:
-    """What the store does: ``embeddings.buckets`` through the project's ``RowConnection``."""
+    """What the store does: ``embeddings.store.buckets`` through the project's ``RowConnection``."""
 
     name = "buckets"
 
     def setup(self, conn, client, width):
-        from embeddings.buckets import fit_listpack
+        from embeddings.store.buckets import fit_listpack
 
         layout = BucketLayout()
         assert fit_listpack(client, layout.max_fields(4 * width), 4 * width) is None

@@ -137,23 +137,17 @@ def breaches(root: Path = ROOT) -> list[str]:
     f = figures(root)
     out = [f"{w}: {n} methods (limit {MAX_METHODS})" for n, w in f["methods per class"] if n > MAX_METHODS]
     out += [
-        f"{w}: {n} lines (limit {MAX_FUNCTION_LINES})"
-        for n, w in f["lines per function"]
-        if n > MAX_FUNCTION_LINES
+        f"{w}: {n} lines (limit {MAX_FUNCTION_LINES})" for n, w in f["lines per function"] if n > MAX_FUNCTION_LINES
     ]
     for n, w in f["lines per module"]:
         limit = MAX_RECOVERY_LINES if w.startswith("recovery/") else MAX_MODULE_LINES
         if n > limit:
             out.append(f"{w}: {n} lines (limit {limit})")
     out += [
-        f"{w}/: {n} modules (limit {MAX_FOLDER_MODULES})"
-        for n, w in f["modules per folder"]
-        if n > MAX_FOLDER_MODULES
+        f"{w}/: {n} modules (limit {MAX_FOLDER_MODULES})" for n, w in f["modules per folder"] if n > MAX_FOLDER_MODULES
     ]
     out += [
-        f"{w}: {n} parameters (limit {MAX_INIT_PARAMS})"
-        for n, w in f["constructor parameters"]
-        if n > MAX_INIT_PARAMS
+        f"{w}: {n} parameters (limit {MAX_INIT_PARAMS})" for n, w in f["constructor parameters"] if n > MAX_INIT_PARAMS
     ]
     out += ["import circle: " + " -> ".join([*c, c[0]]) for c in circles(imports(root))]
     return out

@@ -8,7 +8,7 @@ import pytest
 # tensor op has run in the process since (recsys/launch.py); spawned, each trainer imports torch and
 # torchrec again (about 4 s of CPU, twice per run). Collecting the test modules imports torch.
 import recsys.launch  # noqa: F401
-from embeddings.launcher import LocalShards, process_state
+from embeddings.servers.launcher import LocalShards, process_state
 
 _STARTED_PIDS: set[int] = set()
 

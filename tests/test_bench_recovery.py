@@ -2,7 +2,7 @@ import csv
 import json
 from pathlib import Path
 
-from recsys.bench import failure_schedule, parse_size
+from recsys.bench.recovery import failure_schedule, parse_size
 from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_bench_scaling_measures_snapshots_and_recoveries_per_shard_size(tmp_path
 
 
 def test_mtbf_schedule_draws_exponential_gaps_seeded():
-    from recsys.bench import mtbf_schedule
+    from recsys.bench.recovery import mtbf_schedule
 
     a = mtbf_schedule(200_000, 100.0, 4, seed=1)
     assert a == mtbf_schedule(200_000, 100.0, 4, seed=1) and a != mtbf_schedule(200_000, 100.0, 4, seed=2)
@@ -168,7 +168,7 @@ def test_bench_sweep_writes_the_trade_off_table_and_plot(tmp_path):
 def test_priority_half_reaches_every_run_of_the_bench(tmp_path):
     import argparse
 
-    from recsys.bench import _config, add_arguments
+    from recsys.bench.recovery import _config, add_arguments
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -179,7 +179,7 @@ def test_priority_half_reaches_every_run_of_the_bench(tmp_path):
 
 
 def test_sweep_verdict_picks_the_cheapest_interval_by_accuracy_and_by_the_pls_target():
-    from recsys.bench import sweep_verdict
+    from recsys.bench.recovery import sweep_verdict
 
     def row(strategy, k, overhead, auc, pls):
         r = dict(strategy=strategy, interval=k, planner=False, overhead_pct=overhead, auc_change=auc, pls=pls)

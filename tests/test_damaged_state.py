@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from embeddings import LocalShards
-from recovery.log import ShardLog, encode_group, entries
+from recovery.durable.log import ShardLog, encode_group, entries
 from tests import procs
 from tests.conftest import track, train_cli
 from tests.test_errors import one_error_line
@@ -233,7 +233,8 @@ def test_a_corrupt_flush_ends_the_replay_at_the_last_good_one_and_a_corrupt_prio
     replay there (the shard is as of the last good one, so the loss is counted from it); a priority
     save that fails its CRC is not overlaid. Real Redis, real files."""
     from embeddings import SGD, RedisStore, TableSet, TableSpec
-    from recovery import incremental, priority, rowfiles
+    from recovery.durable import rowfiles
+    from recovery.saves import incremental, priority
 
     tables = TableSet([TableSpec("t0", 200, 4)])
     with RedisStore(shards3.urls, tables, SGD(0.1), namespace=namespace) as st:

@@ -20,7 +20,7 @@ from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SGD, InProcessStore, TableSet, make_optimizer
-from embeddings.module import StoreEmbeddingBagCollection
+from embeddings.bags.module import StoreEmbeddingBagCollection
 from tests.test_module import loss_of
 
 SUM, MEAN = PoolingType.SUM, PoolingType.MEAN
@@ -299,7 +299,7 @@ ON_TBE = ("dlrm", "multi_hot", "dims")
 def test_matches_torchrec_ebc(case, kind, kernels, monkeypatch):
     """Both kernels (fbgemm's TBE, the default, and torch's), every optimizer, every shape; where
     TBE's kernels apply, every pooling call goes through them (and none with ``kernels="torch"``)."""
-    from embeddings import kernels as tbe
+    from embeddings.bags import kernels as tbe
 
     calls = []
     pool = tbe.pool

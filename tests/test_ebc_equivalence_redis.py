@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from embeddings import RedisStore, TableSet, state_of
-from embeddings.module import StoreEmbeddingBagCollection
+from embeddings.bags.module import StoreEmbeddingBagCollection
 from tests.test_ebc_equivalence import (
     CASES,
     KINDS,

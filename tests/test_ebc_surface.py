@@ -16,7 +16,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from embeddings import SGD, InProcessStore, TableSet
-from embeddings.module import NotTraceableError, StoreEmbeddingBagCollection
+from embeddings.bags.module import NotTraceableError, StoreEmbeddingBagCollection
 from tests.test_ebc_equivalence import BATCH, CASES, make_batch, make_store, projection, reference
 from tests.test_module import loss_of
 
@@ -349,7 +349,7 @@ def test_weights_within_the_budget_load_into_torchrec_and_back_with_the_rows_equ
 
 
 def test_a_weight_over_the_budget_reads_its_rows_on_demand_and_the_default_gives_every_table_so():
-    from embeddings.module import RowsTensor
+    from embeddings.bags.module import RowsTensor
 
     configs = MIXED()
     store = make_store(configs, "sgd")

@@ -11,7 +11,7 @@ import pytest
 
 from data.synthetic import SyntheticConfig, write_tsv
 from embeddings import LocalShards
-from embeddings.launcher import free_port
+from embeddings.servers.launcher import free_port
 from tests import procs
 from tests.conftest import track, train_cli
 

@@ -17,10 +17,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 import recsys
 from data.batches import make_batch
 from data.criteo import NUM_DENSE
-from recovery import layout
-from recovery.checkpoint import list_checkpoints
-from recsys.exporter import ExportError, export, weight_key
+from recovery.durable import layout
+from recovery.durable.checkpoint import list_checkpoints
 from recsys.model import table_configs
+from recsys.results.exporter import ExportError, export, weight_key
 from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +79,9 @@ def tier_logits(run) -> np.ndarray:
     """The tier's own model (``StoreEmbeddingBagCollection`` over the run's final snapshots, the
     dense state the run ended with) on the same evaluation set."""
     from recsys.backends import open_store
-    from recsys.exporter import dense_state, final_model, snapshot_servers
     from recsys.model import store_model
-    from recsys.rundir import read_run_file
+    from recsys.results.exporter import dense_state, final_model, snapshot_servers
+    from recsys.results.rundir import read_run_file
 
     cfg = run.config
     ns = read_run_file(run.path)["namespace"]
@@ -109,7 +109,7 @@ def test_every_run_keeps_its_final_model_in_the_checkpoints_format(trained):
 
 
 def test_export_loads_into_torchrecs_own_dlrm_with_the_runs_predictions_and_auc(trained, tmp_path):
-    from recsys.metrics import evaluate_scores
+    from recsys.results.metrics import evaluate_scores
 
     moved = tmp_path / "moved-run"  # the folder is read where it lies now
     shutil.copytree(trained.path, moved)
@@ -194,7 +194,7 @@ BOUNDED = r"""
 import json, os, resource, sys
 import torch  # imported before the baseline: what an export adds is measured
 import torchrec  # noqa: F401
-from recsys.exporter import export
+from recsys.results.exporter import export
 
 def rss_mb(field):
     for line in open("/proc/self/status"):
@@ -244,7 +244,7 @@ def test_export_holds_a_block_not_the_tables(tmp_path):
 
 
 def test_verify_checks_the_final_model(trained, tmp_path):
-    from recsys.verify import verify
+    from recsys.results.verify import verify
 
     code, line = verify(trained.path)  # no update log: the files' checksums, the final model's among them
     assert code == 0 and f"its final model (final/step_{40:010d}) verify (SHA-256)" in line, line

@@ -37,7 +37,7 @@ def train(out: Path, *flags: str) -> dict:
 
 def logged_rows(logs: Path, shard: int, after: int, upto: int) -> int:
     """Rows the update log of ``shard`` holds for steps ``after``+1..``upto``."""
-    from recovery.log import ShardLog
+    from recovery.durable.log import ShardLog
 
     return sum(len(r.ids) for r in ShardLog(logs, shard).records(after_step=after, up_to_step=upto))
 
@@ -86,7 +86,7 @@ def test_partial_recovery_counts_the_updates_it_lost(tmp_path, baseline):
     )
     (f,) = s["failures"]
     assert f["strategy"] == "partial" and f["restored_from_step"] == 20
-    from recovery.log import ShardLog
+    from recovery.durable.log import ShardLog
 
     actual = sum(len(r.ids) for r in ShardLog(tmp_path / "logs", 0).records(after_step=20, up_to_step=27))
     assert f["lost_updates"] == actual > 0
@@ -260,7 +260,7 @@ def test_incremental_recovery_restores_to_the_last_flush_and_loses_only_what_cam
     )
     (f,) = s["failures"]
     assert f["strategy"] == "incremental" and f["restored_from_step"] == 20 and f["flushed_to_step"] == 25
-    from recovery.log import ShardLog
+    from recovery.durable.log import ShardLog
 
     # lost: shard 1's updates of steps 26-27 only (the flush holds those of 21-25)
     actual = sum(len(r.ids) for r in ShardLog(tmp_path / "logs", 1).records(after_step=25, up_to_step=27))

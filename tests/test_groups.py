@@ -89,10 +89,10 @@ def test_trailing_bytes_and_inconsistent_headers_raise():
 
 
 def test_the_three_formats_carry_the_same_groups():
-    from embeddings.redis_store import decode_groups, encode_groups
-    from recovery import rowfiles
+    from embeddings.store.redis_store import decode_groups, encode_groups
+    from recovery.durable import rowfiles
+    from recovery.durable.log import END, _size, encode_group
     from recovery.errors import CorruptCheckpointError
-    from recovery.log import END, _size, encode_group
 
     groups = some_groups(np.random.default_rng(5))
     step, got = decode_groups(encode_groups(12, groups))

@@ -80,7 +80,7 @@ def test_a_step_write_cut_short_is_rolled_back(shards3, namespace):
         on0 = keys[st.shard_map.shard_of_keys(keys) == 0]
         before = st.read_keys(on0)
         # step 2 on shard 0, cut short: undo record and one table's rows, no applied marker
-        from embeddings.redis_store import encode_groups
+        from embeddings.store.redis_store import encode_groups
 
         groups = rowkeys.table_groups(on0)
         blob = encode_groups(2, [(t, ids, before[lo:hi]) for t, (ids, lo, hi) in groups.items()])
@@ -114,7 +114,7 @@ def test_a_window_write_is_named_for_the_step_after_each_shards_marker_and_rolls
         assert st.join_behind() == {}
         assert st.applied_steps() == [5, 5, 5] and st.rows_written == 2 * len(keys)
         np.testing.assert_array_equal(st.read_keys(keys), after)
-        from embeddings.redis_store import decode_groups
+        from embeddings.store.redis_store import decode_groups
 
         for s in range(3):
             assert decode_groups(st.links.locked_get(s, st.meta_key("undo", s)))[0] == 3  # marker 2, then 3-5

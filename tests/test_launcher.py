@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from embeddings.launcher import LauncherError, LocalShards, process_state
+from embeddings.servers.launcher import LauncherError, LocalShards, process_state
 from tests.conftest import _pid_alive, track
 
 
@@ -44,7 +44,7 @@ def test_shards_die_with_a_killed_owner_process(tmp_path):
     script = textwrap.dedent(
         """
         import sys, time
-        from embeddings.launcher import LocalShards
+        from embeddings.servers.launcher import LocalShards
         sh = LocalShards(2).start()
         print(" ".join(map(str, sh.pids)), flush=True)
         time.sleep(60)

@@ -1,4 +1,4 @@
-"""Rows in hash buckets (``embeddings.buckets``): memory, round trips at several widths, lazy init,
+"""Rows in hash buckets (``embeddings.store.buckets``): memory, round trips at several widths, lazy init,
 undo, snapshots read back by a server and by the RDB reader, restores. Real redis-servers."""
 
 import shutil
@@ -10,9 +10,9 @@ import redis
 import torch
 
 from embeddings import SGD, LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec, rowkeys
-from embeddings.buckets import BucketLayout, bucket_rows, size_class_at_most, string_entry_bytes
-from embeddings.rdb import NetworkSnapshot, group_rows, listpack_entries, read_keys
 from embeddings.rowinit import init_rows
+from embeddings.snapshots.rdb import NetworkSnapshot, group_rows, listpack_entries, read_keys
+from embeddings.store.buckets import BucketLayout, bucket_rows, size_class_at_most, string_entry_bytes
 from tests.conftest import track
 
 GOAL = 1.3  # bytes per row over the row's bytes, at dim 16 with row-wise Adagrad (68 bytes)

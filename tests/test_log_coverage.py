@@ -5,8 +5,8 @@ harmless. Real files, the log's own writer."""
 import numpy as np
 import pytest
 
+from recovery.durable.log import ShardLog, entries
 from recovery.errors import LogGapError
-from recovery.log import ShardLog, entries
 
 ROW = np.ones((2, 3), np.float32)
 

@@ -10,7 +10,7 @@ from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from embeddings import SGD, RedisStore, RowWiseAdagrad, TableSet, UnknownTableError
-from embeddings.module import StoreEmbeddingBagCollection
+from embeddings.bags.module import StoreEmbeddingBagCollection
 
 CONFIGS = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"]),

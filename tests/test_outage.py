@@ -1,11 +1,11 @@
-"""The rows of a shard that is away (``embeddings.outage.OutageRows``), on their own: exact and
+"""The rows of a shard that is away (``embeddings.store.outage.OutageRows``), on their own: exact and
 fallback rows, kept gradients in step order, an evaluation's reads leaving nothing, the budget, and
 the rows two writers hand to every trainer (their sum of bit patterns, exact to the bit)."""
 
 import numpy as np
 import pytest
 
-from embeddings.outage import ColdRows, OutageRows
+from embeddings.store.outage import ColdRows, OutageRows
 
 WIDTH = 3
 

@@ -98,9 +98,9 @@ def test_two_runs_at_once_over_one_namespace_the_second_is_refused(tmp_path, sha
 def test_a_take_over_leaves_a_namespace_alone_while_its_run_writes_its_folder(tmp_path, shards, namespace):
     """In this process: a run that holds its folder's lock owns the namespace; once it let go, a
     take-over deletes every key of the namespace and claims it."""
-    from embeddings.ownership import NamespaceClaimError
+    from embeddings.net.ownership import NamespaceClaimError
     from recsys.config import RunConfig
-    from recsys.rundir import OutLock, claim_namespace
+    from recsys.results.rundir import OutLock, claim_namespace
 
     def cfg(out: Path) -> RunConfig:
         return RunConfig.from_dict({"data": {"rows_per_table": 100}, "train": {"out": str(out)}})
@@ -122,9 +122,9 @@ def test_a_take_over_leaves_a_namespace_alone_while_its_run_writes_its_folder(tm
 
 
 def test_a_refused_claim_takes_back_what_it_wrote(tmp_path, shards, namespace):
-    from embeddings.ownership import NamespaceClaimError
+    from embeddings.net.ownership import NamespaceClaimError
     from recsys.config import RunConfig
-    from recsys.rundir import claim_namespace
+    from recsys.results.rundir import claim_namespace
 
     cfg = RunConfig.from_dict({"data": {"rows_per_table": 100}, "train": {"out": str(tmp_path / "b")}})
     redis.Redis.from_url(shards.urls[1]).set(f"{namespace}:meta:applied", b"7")  # rows, no claim: an old run's
@@ -214,7 +214,7 @@ def test_a_crashed_run_resumes_to_the_end_and_is_then_finished_for_good(crashed,
 def test_torchrun_launches_without_an_id_each_get_a_namespace_all_ranks_share(tmp_path):
     """torchrun's run id is "none" for every launch without --rdzv-id: each launch still gets its own
     namespace (rank 0 picks it), and both trainers write under it."""
-    from embeddings.launcher import free_port
+    from embeddings.servers.launcher import free_port
 
     with LocalShards(2) as sh:
         track(sh)

@@ -2,7 +2,7 @@
 real full disk (a small tmpfs; root only):
 
 - every redis-server a run starts, the replacements its trainers start included, dies with the
-  process that owns the shards, even when that process is SIGKILLed (``embeddings.supervisor``);
+  process that owns the shards, even when that process is SIGKILLed (``embeddings.servers.supervisor``);
 - the shard folders of dead runs are removed at the next start, never one of a live run;
 - an abandoned checkpoint is one warning line naming the file and the cause; N in a row stop the
   run with one line, its traceback in ``errors/*.log``; a full disk's error line names the file.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from embeddings.launcher import (
+from embeddings.servers.launcher import (
     FOLDER_PREFIX,
     OWNER_FILE,
     LocalShards,
@@ -114,7 +114,7 @@ def test_a_killed_trainer_leaves_the_replacement_to_the_run(tmp_path):
         spec = sh.spec(0)
         script = (
             "import sys, time\n"
-            "from embeddings.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard\n"
+            "from embeddings.servers.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard\n"
             f"spec = ShardSpec(**{spec.__dict__!r})\n"
             "for pid in shard_servers(spec): kill_and_wait(pid)\n"
             "print(spawn_shard(spec, die_with_parent=False).pid, flush=True)\n"
@@ -167,8 +167,8 @@ def test_a_server_refusing_the_network_snapshot_is_named_and_counts_as_a_repeati
     mistaken for a dead shard (which would never stop the run)."""
     import redis
 
-    from embeddings.rdb import NetworkSnapshot, SnapshotRefusedError
-    from recovery.checkpoint import abandon_cause
+    from embeddings.snapshots.rdb import NetworkSnapshot, SnapshotRefusedError
+    from recovery.durable.checkpoint import abandon_cause
 
     with LocalShards(1) as sh:
         redis.Redis.from_url(sh.url(0)).execute_command(

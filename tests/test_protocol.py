@@ -18,7 +18,7 @@ from recovery.errors import RecoveryError
 from recovery.interface import NoRecovery, Recovery
 from recovery.manager import RecoveryManager
 from recovery.protocol import MAX_ATTEMPTS, Action, Collective, Verdict
-from recovery.restorers import Restorer, ShardByShard
+from recovery.restore.strategies import Restorer, ShardByShard
 
 
 class ThreadCollective:
@@ -224,7 +224,7 @@ def test_a_shard_dying_during_another_restore_is_recovered_in_the_same_round():
                 raise ShardUnavailableError(2, "127.0.0.1:7002", "connection reset")
             rec = self.tools.base_record("shard", shard, step)
             rec["restored_from_step"] = 3
-            from recovery.restorers import Restored
+            from recovery.restore.strategies import Restored
 
             return Restored(rec, 3, 3, 3)
 

@@ -8,11 +8,11 @@ import torch
 
 from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from recovery.accounting import Ledger, UpdateCounter, lost_samples, pls
-from recovery.checkpoint import Checkpointer
+from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.identity import snapshot_mismatch
+from recovery.durable.log import ShardLog, encode_record, parse_fsync_policy, scan
 from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
-from recovery.identity import snapshot_mismatch
 from recovery.inject import Injection, corrupt_file, parse_injection
-from recovery.log import ShardLog, encode_record, parse_fsync_policy, scan
 from recovery.manager import RecoveryManager
 from recovery.protocol import Collective
 from tests.conftest import track
@@ -496,7 +496,7 @@ def test_unfinished_or_foreign_checkpoints_do_not_count(rig, namespace, tmp_path
 
 def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
     """Steps 1-3, checkpoint, steps 4-7, priority save (mfu/ssu), steps 8-9, shard 1 killed, recovered."""
-    from recovery.priority import MFUTracker, PrioritySaver, SSUTracker
+    from recovery.saves.priority import MFUTracker, PrioritySaver, SSUTracker
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
     store.hold_rows({0, 1, 2}, 1 << 30)  # the writer of every shard, as one trainer is
@@ -606,7 +606,7 @@ def test_trainer_and_node_failures_without_restarts_are_refused_by_name():
 
 
 def test_mfu_sketch_finds_the_true_top_rows_of_a_zipf_stream():
-    from recovery.priority import SpaceSaving
+    from recovery.saves.priority import SpaceSaving
 
     rng = np.random.default_rng(11)
     sketch = SpaceSaving(capacity=500)
@@ -627,7 +627,7 @@ def test_a_prepared_priority_save_picks_its_rows_on_the_writer_thread_and_saves_
     import threading
 
     from embeddings import rowkeys
-    from recovery.priority import MFUTracker, PrioritySaver
+    from recovery.saves.priority import MFUTracker, PrioritySaver
 
     sh, store, _, _ = rig
     rng = np.random.default_rng(8)
@@ -663,7 +663,7 @@ def test_a_prepared_priority_save_picks_its_rows_on_the_writer_thread_and_saves_
 
 
 def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_last_flush(rig, namespace, tmp_path):
-    from recovery.incremental import Flusher
+    from recovery.saves.incremental import Flusher
 
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)  # the flush copies the rows its writer holds
@@ -712,7 +712,8 @@ def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_l
 def test_priority_saves_of_later_steps_are_neither_overlaid_nor_kept(tmp_path):
     """A priority save from beyond the failure (an earlier run's, or of steps a restart took back) is
     not overlaid, and ``drop_after`` (fresh start, restart) removes it."""
-    from recovery import priority, rowfiles
+    from recovery.durable import rowfiles
+    from recovery.saves import priority
 
     d = tmp_path / "priority"
     d.mkdir()
@@ -735,7 +736,7 @@ def test_a_dense_save_becomes_the_state_only_once_committed_and_a_commit_drops_o
     """Per-step dense state: a save is a copy written to a temp file of its step at once; the file
     holds it only once its step is committed (its rows on the shards). A step never committed (its
     write failed and a rollback passed it) is dropped by a later commit, and never loaded."""
-    from recovery.dense import DenseSaver
+    from recovery.durable.dense import DenseSaver
 
     (tmp_path / "dense_latest.pt.9.tmp").write_bytes(b"left by a killed writer")
     saver = DenseSaver(tmp_path, "ns")

@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from embeddings import SGD, RedisStore, TableSet, TableSpec
-from embeddings.endpoints import check_endpoints, commands_needed, missing_commands, probe
 from embeddings.errors import EndpointError, ShardEvictedError
+from embeddings.net.endpoints import check_endpoints, commands_needed, missing_commands, probe
 from tests import procs
 from tests.test_errors import cli, one_error_line
 

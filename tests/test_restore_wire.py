@@ -14,8 +14,8 @@ import redis
 
 from embeddings import SGD, Adagrad, Adam, LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from embeddings.errors import ShardDataError
-from embeddings.rdb import CRC64, restore_payloads
-from embeddings.snapshot_load import first_way
+from embeddings.snapshots.rdb import CRC64, restore_payloads
+from embeddings.snapshots.restore_load import first_way
 from tests.conftest import track
 from tests.test_layout import bgsave, every_row
 
@@ -241,7 +241,7 @@ def test_the_sync_touches_nothing_but_the_shard_and_a_load_the_server_gives_up_f
 def test_the_crc_of_a_whole_file_on_every_core_is_redis_own():
     """``crc64`` runs anycrc's C function on one thread per core without the GIL; the parts joined
     give the CRC Redis's own code gives (its test vector) and anycrc's one call gives."""
-    from embeddings import crc64 as mod
+    from embeddings.snapshots import crc64 as mod
 
     assert mod._C is not None  # the GIL-free path is taken with the pinned anycrc
     assert mod.crc64(b"123456789") == 0xE9C6D914C4B8D9CA  # Redis's crc64 test vector
@@ -255,7 +255,7 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
     """A shard's part of a full bucket of 64-dim rows, spread over two shards, passes 16 KiB: its
     length is written in 32 bits. Such buckets are read on the fast path, restore exact both ways,
     and one whose listpack does not frame is caught before the server gets a payload."""
-    from embeddings.rdb import _mapped, _spans, scan_snapshot
+    from embeddings.snapshots.rdb import _mapped, _spans, scan_snapshot
 
     tables = TableSet([TableSpec("w", 4000, 64)])
     with LocalShards(3) as sh:
@@ -314,7 +314,7 @@ def test_buckets_over_16_kib_scan_inline_exact_and_a_damaged_one_is_caught(tmp_p
 def test_the_sync_send_timeout_keeps_a_fraction_of_a_second():
     """``SO_SNDTIMEO`` of {0, 0} means no timeout at all: a store timeout under a second must not
     become one (a server that stops reading would hold the restore for ever)."""
-    from embeddings.sync_load import _timeval
+    from embeddings.snapshots.sync_load import _timeval
 
     def back(seconds: float) -> tuple[int, int]:
         return struct.unpack("ll", _timeval(seconds))

@@ -20,7 +20,7 @@ from embeddings import (
     TableSpec,
     UnknownTableError,
 )
-from embeddings.launcher import free_port
+from embeddings.servers.launcher import free_port
 from tests.conftest import track
 
 TABLES = TableSet([TableSpec("small", 500, 8), TableSpec("wide", 2000, 64), TableSpec("huge", 10**8, 16)])
@@ -227,8 +227,8 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
     the rows written on top of it) with a row held again in between; a restore to step 4 with rows up
     to step 5 on top: rows last written by 4 are held again, rows first written after 5 are absent,
     the rest are unknown; each forgotten row is counted once."""
-    from embeddings.held import ABSENT, HELD, UNKNOWN, HeldRows
     from embeddings.rowkeys import pack
+    from embeddings.store.held import ABSENT, HELD, UNKNOWN, HeldRows
 
     tables = TableSet([TableSpec("t", 100, 2)])
     held = HeldRows(tables, [2], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) >= 50).astype(np.int16))
@@ -248,7 +248,7 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
 
 
 def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
-    from embeddings.held import put_rows
+    from embeddings.store.held import put_rows
 
     rng = np.random.default_rng(2)
     dst = rng.standard_normal((1000, 17)).astype(np.float32)
@@ -269,8 +269,8 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     each row as the layout places it alone: one command per row, or per bucket for the dense run."""
     import hiredis
 
-    from embeddings.buckets import BucketLayout
-    from embeddings.wire import RowConnection
+    from embeddings.net.wire import RowConnection
+    from embeddings.store.buckets import BucketLayout
 
     rng = np.random.default_rng(5)
     groups = []

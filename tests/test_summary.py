@@ -1,12 +1,12 @@
 """The run summary's parts that need no run: the throughput after the warm-up, and the store
-counters it reads, which every store keeps (``embeddings.store.StoreCounters``)."""
+counters it reads, which every store keeps (``embeddings.store.base.StoreCounters``)."""
 
 import numpy as np
 import torch
 
 from embeddings import SGD, InProcessStore, TableSet, TableSpec, rowkeys
 from recsys.backends import Backend, LocalBackend
-from recsys.summary import after_warmup
+from recsys.results.summary import after_warmup
 from tests import procs
 
 
@@ -53,10 +53,10 @@ def test_tables_over_digest_max_rows_end_without_a_digest_and_say_so(tmp_path):
 def test_a_run_folder_is_read_where_it_lies_and_names_the_folders_outside_it(tmp_path):
     """``config.toml`` records the run's folders absolute; read back from another place, the folders
     that lay inside the run's are taken inside the folder given, those outside it are kept and named."""
-    from recovery import layout
+    from recovery.durable import layout
     from recsys.config import RunConfig
-    from recsys.outputs import recorded
-    from recsys.rundir import outside_paths, run_config
+    from recsys.results.outputs import recorded
+    from recsys.results.rundir import outside_paths, run_config
 
     was, elsewhere = tmp_path / "was", tmp_path / "elsewhere-logs"
     folders = {"recovery": "log", "checkpoint_dir": str(was / "ck"), "log_dir": str(elsewhere)}

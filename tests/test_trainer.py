@@ -181,7 +181,7 @@ def test_torchrun_joins_shards_that_already_run(tmp_path):
     import os
 
     from embeddings import LocalShards
-    from embeddings.launcher import free_port
+    from embeddings.servers.launcher import free_port
     from tests.conftest import track
 
     with LocalShards(2) as sh:

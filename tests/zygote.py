@@ -45,9 +45,9 @@ def _warm() -> None:
     import matplotlib.pyplot  # noqa: F401
 
     import recsys.api  # noqa: F401
-    import recsys.bench  # noqa: F401
+    import recsys.bench.recovery  # noqa: F401
     import recsys.cli  # noqa: F401
-    import recsys.outputs  # noqa: F401
+    import recsys.results.outputs  # noqa: F401
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -1,0 +1,1 @@
+"""The torchrec-compatible embedding-bag module, its fbgemm kernels and its prefetch."""

@@ -1,0 +1,915 @@
+"""A torchrec-compatible embedding-bag collection whose rows live in an ``EmbeddingStore``.
+
+``StoreEmbeddingBagCollection`` takes a ``KeyedJaggedTensor`` and returns a ``KeyedTensor`` like
+``torchrec.EmbeddingBagCollection``, so ``torchrec.models.dlrm.DLRM`` accepts it in its place.
+Rows are not module parameters. A batch is handled in packed row keys (``embeddings.rowkeys``:
+table index and row id in one int64), every table at once: the batch's keys are made unique once
+(``batch_keys``, shared by stage, prefetch and forward), forward pulls their rows from the store as
+one leaf tensor ``[num_unique, dim]`` and pools every feature with one ``embedding_bag`` call. After
+``loss.backward()`` that tensor's gradient is the per-row gradient: ``pop_key_grads()`` hands it to
+the caller (the trainer aggregates it over trainers), ``apply_gradients()`` to the store's
+optimizer (the store is the single writer of its rows).
+
+What it accepts is what torchrec's ``EmbeddingBagCollection`` accepts, with the same results (the
+equivalence suite: ``tests/test_ebc_equivalence.py``): tables of different embedding dims (each
+table's rows are stored at its own width; forward pulls once per dim), SUM and MEAN pooling mixed,
+weighted features (``is_weighted=True``: the KJT's per-value weights), a table shared by several
+features, batches with empty bags, empty features or no ids at all, a variable batch per feature
+(a KJT with ``inverse_indices``), a ``TensorDict`` input, ``tables=[]``, ``device=``. The one shape
+of our DLRM (one dim, one pooling, one feature per table) keeps its fast path: one pull, one pooling
+call (a gather when every bag holds one id).
+
+Tables are not parameters: ``model.parameters()`` holds the dense parameters only, so a dense
+optimizer built over it excludes the tables by construction; the rows are trained by
+``apply_gradients()`` (or the trainer's aggregation). A module whose row gradients pile up unapplied
+(``_UNAPPLIED_WARN`` backwards without ``apply_gradients``/``pop_key_grads``: the sign of a loop that
+steps a dense optimizer only) warns once. ``state_dict()`` holds torchrec's
+``embedding_bags.<table>.weight`` for every table: a ``RowsTensor`` (its rows read on demand; DCP
+saves and loads it a block at a time) beside a small entry, ``embedding_bags.<table>._extra_state``,
+saying where the rows are (store kind, namespace, shape, optimizer, seed; see ``TableLocation``),
+or within ``weights_mb`` the rows themselves alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.tensor_dict import maybe_td_to_kjt
+
+from embeddings import rowkeys
+from embeddings.bags import kernels
+from embeddings.errors import RowRangeError
+from embeddings.store.base import EmbeddingStore
+
+_CACHED = 4  # batch contexts kept: the step's, the next batch's, the read-ahead one's, one spare
+_MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+KERNELS = ("fbgemm", "torch")  # the pooling's and its backward's: fbgemm's TBE (``embeddings.bags.kernels``) or torch's
+_UNAPPLIED_WARN = 8  # forwards whose row gradients were computed and never applied: warn once
+_HOST = torch.device("cpu")
+
+
+class NotTraceableError(RuntimeError):
+    """FX symbolic tracing, TorchScript (``torch.jit.script``/``torch.jit.trace``) or ``torch.export``
+    of a ``StoreEmbeddingBagCollection``: its forward pulls rows from a store at run time, which no
+    traced, scripted or exported graph can hold."""
+
+
+@dataclass
+class GroupKeys:
+    """The rows of one embedding dim of a batch, on the general path (tables of several dims or
+    pooling modes, a table shared by features, weights, a variable batch per feature)."""
+
+    keys: np.ndarray
+    """Sorted unique packed keys of the group's tables (one width: one ``pull_keys``)."""
+    tables: list[tuple[int, int]]
+    """(lo, hi) in ``keys`` of each of the group's tables present in the batch, in key order."""
+    inverse: torch.Tensor | None = None
+    """Fused group (one pooling call): per value of the group's features, its position in ``keys``."""
+    offsets: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    features: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+    """Split group: per feature, (its table's place in ``tables`` or -1, positions of its values in
+    that table's rows, its bag offsets, its weights)."""
+
+
+@dataclass
+class BatchKeys:
+    """One batch's rows, worked out once: what stage, prefetch and forward of the batch share."""
+
+    keys: np.ndarray
+    """Sorted unique packed row keys of every table, [U] int64."""
+    inverse: torch.Tensor
+    """Per looked-up value (the module's features, feature-major), its position in ``keys``; [N]."""
+    offsets: torch.Tensor
+    """Bag offsets over ``inverse``: [num_features * B + 1]."""
+    batch_size: int
+    single: bool = False
+    """Every bag holds one value (Criteo's features): a bag's pooled row is its row."""
+    weights: torch.Tensor | None = None
+    """Per looked-up value, its weight (a weighted module), [N]."""
+    groups: list[GroupKeys] | None = None
+    """The general path's work per embedding dim; None: the fast path (one dim, one pooling, one
+    feature per table, one batch size)."""
+    bags: list[int] = field(default_factory=list)
+    """Bags per feature (the batch size, or each feature's own in a variable-batch KJT)."""
+    expand: list[torch.Tensor] | None = None
+    """A variable-batch KJT: per feature, the bag of each output sample (its ``inverse_indices``)."""
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The module's tables of one embedding dim."""
+
+    dim: int
+    tables: tuple[int, ...]  # store table indices, ascending (the order of their keys)
+    features: tuple[int, ...]  # the features on them (positions in the output), in output order
+    modes: tuple[str, ...]  # each feature's pooling
+    fused: bool  # one feature per table and one pooling: every feature pooled in one call
+
+
+ROWS_BLOCK_BYTES = 8 << 20
+"""A ``RowsTensor`` is read, saved (DCP) and written a block of about this many bytes of rows at a time."""
+
+
+class RowsTensor(torch.Tensor):
+    """A table's ``weight`` whose rows stay on the store: a ``[num_rows, dim]`` float32 tensor (or a
+    view of rows ``lo..lo + n``, columns ``c0..c1`` of one) that reads its rows when an op needs
+    them, as torchrec's ``PartiallyMaterializedTensor`` (over fbgemm's ``KVTensorWrapper``) does for
+    its key-value tables. ``state_dict()``'s ``embedding_bags.<table>.weight`` of a table over
+    ``weights_mb``, and its ``embedding_bags[name].weight``.
+
+    - ``torch.distributed.checkpoint`` saves it in blocks (``__create_write_items__``: one chunk per
+      ``ROWS_BLOCK_BYTES`` of rows, each read when DCP writes it) and loads into it in blocks
+      (``__create_chunk_list__``, ``__get_tensor_shard__``: a view of the chunk's rows, whose
+      ``copy_`` writes them to the store, each row's optimizer state kept).
+    - ``w[lo:hi]`` (``narrow``, slices of rows or columns) is a view: nothing read. ``copy_`` and
+      every in-place op write the rows back. Any other op reads the rows it covers (``materialize()``
+      is every row of the view, a plain tensor) and runs on them: ``torch.equal(w, x)`` reads the
+      table. ``torch.save``/``pickle`` write the rows (a plain tensor).
+    """
+
+    _store: object
+    _table: str
+    _lo: int
+    _c0: int
+
+    @staticmethod
+    def __new__(cls, store, table: str, lo: int, n: int, c0: int, c1: int):
+        t = torch.Tensor._make_wrapper_subclass(cls, (n, c1 - c0), dtype=torch.float32, device=_HOST)
+        t._store, t._table, t._lo, t._c0 = store, table, lo, c0
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__()
+
+    @classmethod
+    def of(cls, store, table: str) -> RowsTensor:
+        spec = store.tables.spec(table)
+        return cls(store, table, 0, spec.num_rows, 0, spec.dim)
+
+    def _view(self, lo: int, n: int, c0: int, c1: int) -> RowsTensor:
+        return RowsTensor(self._store, self._table, lo, n, c0, c1)
+
+    @property
+    def _block_rows(self) -> int:
+        return max(1, ROWS_BLOCK_BYTES // (4 * max(1, self.shape[1])))
+
+    def same_rows(self, store, table: str) -> bool:
+        """Whether this is every row of ``table``'s weights on ``store``."""
+        spec = store.tables.spec(table)
+        full = self._lo == 0 and self._c0 == 0 and tuple(self.shape) == (spec.num_rows, spec.dim)
+        return self._store is store and self._table == table and full
+
+    def materialize(self) -> torch.Tensor:
+        """Every row of the view, read from the store: a plain tensor ``[n, cols]`` (a copy)."""
+        n, cols = self.shape
+        rows = self._store.read_rows(self._table, np.arange(self._lo, self._lo + n))  # type: ignore[attr-defined]
+        return torch.from_numpy(np.ascontiguousarray(rows[:, self._c0 : self._c0 + cols]))
+
+    def write(self, src: torch.Tensor) -> None:
+        """``src`` onto the view's rows on the store, a block at a time; the rest of each row (other
+        columns, the optimizer's state) kept."""
+        n, cols = self.shape
+        src = src.detach().to(_HOST, torch.float32).expand(n, cols)
+        step = self._block_rows
+        for at in range(0, n, step):
+            k = min(step, n - at)
+            block = src[at : at + k]
+            block = block.materialize() if isinstance(block, RowsTensor) else block
+            ids = np.arange(self._lo + at, self._lo + at + k)
+            rows = self._store.read_rows(self._table, ids)  # type: ignore[attr-defined]
+            rows[:, self._c0 : self._c0 + cols] = block.numpy()
+            self._store.write_rows(self._table, ids, rows)  # type: ignore[attr-defined]
+
+    # -- torch.distributed.checkpoint: saved and loaded a block at a time -------------------------
+    def _chunks(self) -> list[tuple[int, int]]:
+        n = int(self.shape[0])
+        step = self._block_rows
+        return [(at, min(step, n - at)) for at in range(0, max(n, 1), step)] if n else [(0, 0)]
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        cols = int(self.shape[1])
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([at, 0])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size([at, 0]), sizes=torch.Size([k, cols])),
+                    properties=TensorProperties(dtype=torch.float32),
+                    size=self.shape,
+                ),
+            )
+            for at, k in self._chunks()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        cols = int(self.shape[1])
+        return [ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([k, cols])) for at, k in self._chunks()]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        at = int(index.offset[0]) if index.offset is not None else 0
+        k = dict(self._chunks()).get(at)
+        if k is None:
+            raise ValueError(f"table {self._table!r}: no chunk of rows at offset {list(index.offset)}")
+        return self._view(self._lo + at, k, self._c0, self._c0 + int(self.shape[1]))
+
+    # -- every other op ---------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        first = args[0] if args else None
+        if isinstance(first, RowsTensor):
+            n, cols = (int(x) for x in first.shape)
+            if func in (aten.detach.default, aten.alias.default):
+                return first._view(first._lo, n, first._c0, first._c0 + cols)
+            if func is aten.slice.Tensor:
+                dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1 :])[:4]
+                dim, size = int(dim) % 2, (n, cols)[int(dim) % 2]
+                lo, hi, _ = slice(start, end).indices(size)
+                if step == 1:
+                    hi = max(lo, hi)
+                    if dim == 0:
+                        return first._view(first._lo + lo, hi - lo, first._c0, first._c0 + cols)
+                    return first._view(first._lo, n, first._c0 + lo, first._c0 + hi)
+            if func is aten.copy_.default:
+                first.write(args[1])
+                return first
+
+        def plain(x):
+            return x.materialize() if isinstance(x, RowsTensor) else x
+
+        pargs, pkwargs = tree_map(plain, args), tree_map(plain, kwargs)
+        out = func(*pargs, **pkwargs)
+        if isinstance(first, RowsTensor) and func._schema.is_mutable:  # add_, normal_, zero_, ...: written back
+            first.write(pargs[0])
+            return first
+        return out
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        n, cols = (int(x) for x in self.shape)
+        where = type(self._store).__name__
+        return f"RowsTensor(table {self._table!r}, rows {self._lo}..{self._lo + n} x {cols} on {where}: read on demand)"
+
+    def __reduce_ex__(self, protocol):
+        return self.materialize().__reduce_ex__(protocol)
+
+
+class TableLocation(nn.Module):
+    """Where one table's rows live, as its ``state_dict`` entry (``embedding_bags.<table>._extra_state``,
+    where torchrec's ``EmbeddingBagCollection`` keeps ``embedding_bags.<table>.weight``): a small dict of
+    plain values (``torch.load(weights_only=True)`` reads it) naming the store kind, its namespace,
+    the table's shape, pooling, row optimizer and init seed. The rows themselves are not in it.
+
+    Loading a location entry moves no rows: an entry for another shape of the table is refused
+    (``ValueError``); one that names another store or namespace warns that the rows stay where they
+    are. The table's ``weight`` entry: see ``_load_from_state_dict``."""
+
+    def __init__(self, entry: dict, steps: list[int] | None = None, store=None, weights_mb: float = 0.0) -> None:
+        super().__init__()
+        self.entry = entry
+        self.steps = steps if steps is not None else [0]  # the module's optimizer step, shared by its tables
+        self._store = store
+        self.weights_mb = weights_mb
+        self.mb = entry["num_rows"] * entry["dim"] * 4 / 2**20  # the table's weights, fp32
+
+    @property
+    def as_weight(self) -> bool:
+        """Whether the table is given as torchrec gives it (``weight``, ``state_dict``'s ``weight``)."""
+        return self._store is not None and self.mb <= self.weights_mb
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table's rows [num_rows, dim]: within ``weights_mb`` read from the store (a copy: writes
+        to it stay here); beyond it a ``RowsTensor``, which reads them when an op needs them (and
+        writes an in-place op's result back). Without a store (the meta device): one line."""
+        name = self.entry["table"]
+        if self._store is None:  # built on the meta device: the shape alone, as torchrec's module there
+            return torch.empty((self.entry["num_rows"], self.entry["dim"]), device="meta")
+        if not self.as_weight:
+            return RowsTensor.of(self._store, name)
+        rows = self._store.read_rows(name, np.arange(self.entry["num_rows"]))
+        return torch.from_numpy(np.ascontiguousarray(rows[:, : self.entry["dim"]]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if self.as_weight:  # torchrec's key alone: a torchrec module loads it as its own
+            destination[prefix + "weight"] = self.weight
+            return
+        # torchrec's key: its rows read on demand (DCP: a block at a time); on the meta device, the shape
+        destination[prefix + "weight"] = (
+            RowsTensor.of(self._store, self.entry["table"]) if self._store is not None else self.weight
+        )
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        """``weight``: a tensor is written to the store (a block at a time, each row's optimizer state
+        kept); a ``RowsTensor`` (a module's over a store) moves no rows. ``_extra_state``: as
+        ``set_extra_state`` says."""
+        key, extra = prefix + "weight", prefix + "_extra_state"
+        weight = state_dict.get(key)
+        table = self.entry["table"]
+        if weight is not None and weight.is_meta:  # a module's on the meta device: no rows anywhere
+            pass
+        elif isinstance(weight, RowsTensor):
+            if extra not in state_dict and self._store is not None and not weight.same_rows(self._store, table):
+                warnings.warn(
+                    f"table {table!r}: load_state_dict moves no rows: the weight reads table {weight._table!r} "
+                    "on another store; the rows stay where they are",
+                    stacklevel=2,
+                )
+        elif weight is not None:
+            shape = (self.entry["num_rows"], self.entry["dim"])
+            if tuple(weight.shape) != shape:
+                errors.append(f"table {table!r}: a weight of {tuple(weight.shape)} for a table of {shape}")
+                return
+            if self._store is None:
+                errors.append(f"table {table!r}: a weight to load, and no store to hold it")
+                return
+            self._write(weight)
+        if weight is None or extra in state_dict:
+            rest = {k: v for k, v in state_dict.items() if k != key}
+            super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def _write(self, weight: torch.Tensor) -> None:
+        """The table's weights onto the store, a block at a time, each row's optimizer state kept."""
+        RowsTensor.of(self._store, self.entry["table"]).write(weight)
+
+    def get_extra_state(self) -> dict:
+        return {**self.entry, "optimizer_step": self.steps[0]}
+
+    def set_extra_state(self, state) -> None:
+        name = self.entry["table"]
+        shape = ("table", "num_rows", "dim")
+        if not isinstance(state, dict) or any(state.get(k) != self.entry[k] for k in shape):
+            got = {k: state.get(k) for k in shape} if isinstance(state, dict) else state
+            raise ValueError(
+                f"table {name!r}: the state_dict's entry {got} is not this table "
+                f"({ {k: self.entry[k] for k in shape} }); its rows live on a store, not in the state_dict"
+            )
+        self.steps[0] = int(state.get("optimizer_step", self.steps[0]))
+        where = ("store", "namespace")
+        if any(state.get(k) != self.entry[k] for k in where):
+            warnings.warn(
+                f"table {name!r}: load_state_dict moves no rows: the loaded entry names store "
+                f"{state.get('store')} namespace {state.get('namespace')!r}, this module reads "
+                f"{self.entry['store']} namespace {self.entry['namespace']!r}; the rows stay where they are",
+                stacklevel=2,
+            )
+
+    def extra_repr(self) -> str:
+        e = self.entry
+        return f"{e['table']}: {e['num_rows']} x {e['dim']} on {e['store']} namespace {e['namespace']!r}"
+
+
+@torch.compiler.disable
+def _eager_forward(module: StoreEmbeddingBagCollection, features) -> KeyedTensor:
+    """Under ``torch.compile``: the lookup runs eagerly (a graph break), the dense model compiles."""
+    return module._forward(features)
+
+
+# FX symbolic tracing in progress (torch's probe; absent from older versions)
+_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", lambda: False)
+
+
+def sum_by_key(keys: np.ndarray, grads: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """Gradients of possibly repeated keys summed per key: -> (sorted unique keys, [U, dim])."""
+    if len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1])):
+        return keys, grads
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    summed = torch.zeros((len(uniq), grads.shape[1]), dtype=grads.dtype)
+    summed.index_add_(0, torch.from_numpy(inverse.reshape(-1)), grads)
+    return uniq, summed
+
+
+class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """torchrec's ``EmbeddingBagCollection`` over rows that live in an ``EmbeddingStore``.
+
+    ``StoreEmbeddingBagCollection(tables, store, is_weighted=False, row_source=None, device=None,
+    weights_mb=0.0)``: ``tables`` as torchrec takes them (each must be a table of ``store`` with the
+    same rows and dim; duplicate names raise ``ValueError`` as torchrec's does), ``row_source`` where
+    forward reads rows (the store, or a stage or prefetch in front of it), ``device`` where the pooled
+    embeddings are computed (rows are moved there; ``.device`` says which, and follows
+    ``module.to(...)``). On ``device="meta"`` (torchrec's planners build modules there) the store may
+    be None and is never read: forward returns meta tensors of the output's shape.
+
+    ``kernels`` (default ``"fbgemm"``): the pooling and its backward in fbgemm's TBE host kernels,
+    the fused engine's own (``embeddings.bags.kernels``), wherever a call has rows on the host, one
+    number of bags per feature and no per-sample weights; ``"torch"``: torch's
+    ``index_select`` and ``embedding_bag`` everywhere (the path the others take). The update is the
+    store's optimizer either way (``apply_gradients``).
+
+    ``weights_mb`` (default 0: none): a table of at most that many MB of fp32 weights is given as
+    torchrec gives it: ``embedding_bags[name].weight`` (its rows read from the store, a copy) and
+    ``state_dict``'s ``embedding_bags.<table>.weight`` in place of its location entry, so a torchrec
+    ``EmbeddingBagCollection`` loads this module's state dict and this module loads its (the rows
+    written to the store, each row's optimizer state kept). A larger table's ``weight`` (and its
+    ``state_dict`` entry, beside the location entry) is a ``RowsTensor``: its rows read on demand,
+    saved and loaded by DCP a block at a time. A plain ``weight`` in a loaded state dict is always
+    written to the store, whatever the budget; a ``RowsTensor`` moves no rows.
+
+    What it refuses, each with one clear error:
+
+    - FX symbolic tracing, ``torch.jit.trace``, ``torch.jit.script`` and ``torch.export`` of a module
+      that holds it raise ``NotTraceableError``: the lookup pulls rows from a store at run time, which
+      a graph cannot hold. (``torch.compile`` works: the lookup runs eagerly, a graph break.)
+    - Pooling other than SUM and MEAN, and tables of ``data_type`` other than FP32 (the store holds
+      float32 rows), raise ``ValueError`` at construction.
+    - Weighted MEAN pooling raises at forward, as torchrec's module does (torch's ``embedding_bag``
+      takes per-sample weights with SUM only).
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        store: EmbeddingStore | None = None,
+        is_weighted: bool = False,
+        row_source=None,
+        device: torch.device | str | None = None,
+        weights_mb: float = 0.0,
+        kernels: str = "fbgemm",
+    ) -> None:
+        super().__init__()
+        if not weights_mb >= 0:
+            raise ValueError(f"StoreEmbeddingBagCollection weights_mb={weights_mb} must be >= 0")
+        if kernels not in KERNELS:
+            raise ValueError(f"StoreEmbeddingBagCollection kernels={kernels!r}: one of {', '.join(KERNELS)}")
+        self._kernels = kernels
+        # none given: the default device (``with torch.device("meta"):`` builds on meta, as torchrec's)
+        self._device = torch.device(device) if device is not None else torch.empty(0).device
+        self._on_host = self._device.type == "cpu"
+        names = set()
+        for c in tables:
+            if c.name in names:
+                raise ValueError(f"Duplicate table name {c.name}")  # torchrec's words and type
+            names.add(c.name)
+        if store is None and self._device.type != "meta":
+            raise ValueError("StoreEmbeddingBagCollection: a store is required (store=None only on device='meta')")
+        for c in tables:
+            if not c.feature_names:  # as torchrec's EmbeddingBagCollection: the table's own name
+                c.feature_names = [c.name]
+            if c.pooling not in _MODES:
+                raise ValueError(f"table {c.name!r}: pooling {c.pooling} not supported; use SUM or MEAN")
+            if c.data_type != DataType.FP32:
+                raise ValueError(f"table {c.name!r}: data_type {c.data_type} not supported; the store holds FP32 rows")
+            if store is None:
+                continue
+            spec = store.tables.spec(c.name)  # raises UnknownTableError naming the table
+            if (spec.num_rows, spec.dim) != (c.num_embeddings, c.embedding_dim):
+                raise ValueError(
+                    f"table {c.name!r}: config has {c.num_embeddings} rows x {c.embedding_dim} dim, "
+                    f"store has {spec.num_rows} x {spec.dim}"
+                )
+        self._configs = list(tables)
+        self._weighted = bool(is_weighted)
+        self._names = get_embedding_names_by_table(tables)
+        self.store = store
+        # where forward gets rows: the store, or a stage/prefetch in front of it (``pull_keys``)
+        self.row_source = row_source if row_source is not None else store
+        index = (lambda c, i: store.tables.index(c.name)) if store is not None else (lambda c, i: i)
+        table_of = [index(c, i) for i, c in enumerate(tables)]
+        # per feature, in output order: (feature name, store table index, rows)
+        self._features = [(f, t, c.num_embeddings) for c, t in zip(tables, table_of) for f in c.feature_names]
+        self._feature_names = [f for f, _, _ in self._features]
+        self._table_names = {t: c.name for c, t in zip(tables, table_of)}
+        self._output_keys = [name for names in self._names for name in names]
+        self._lengths = [c.embedding_dim for c in tables for _ in c.feature_names]
+        modes = [_MODES[c.pooling] for c in tables for _ in c.feature_names]
+        # per feature: its table's rows (the bound of its ids) and the table's key bits
+        self._limits = torch.tensor([n for _, _, n in self._features], dtype=torch.int64)
+        self._bases = torch.tensor([t << rowkeys.ROW_BITS for _, t, _ in self._features], dtype=torch.int64)
+        dims = list(dict.fromkeys(c.embedding_dim for c in tables))
+        self.dim = dims[0] if len(dims) == 1 else None  # None: tables of several dims (or none)
+        self._groups = []
+        for d in dims:
+            of_dim = [(t, c) for t, c in zip(table_of, tables) if c.embedding_dim == d]
+            mine = {t for t, _ in of_dim}
+            feats = tuple(j for j, (_, t, _) in enumerate(self._features) if t in mine)
+            fmodes = tuple(modes[j] for j in feats)
+            fused = len(feats) == len(of_dim) and len(set(fmodes)) == 1
+            self._groups.append(_Group(d, tuple(sorted(mine)), feats, fmodes, fused))
+        # the fast path: one dim, one pooling, one feature per table (our DLRM's shape)
+        self._fast = len(self._groups) == 1 and self._groups[0].fused
+        self._mode = modes[0] if self._fast else None
+        # where each table's rows are, as its state_dict entry (the rows themselves are not in it)
+        # optimizer steps applied (``apply_gradients`` calls): Adam's bias correction counts them; in
+        # every table's state_dict entry, and put back by a load
+        self._steps = [0]
+        self.embedding_bags = nn.ModuleDict(  # torchrec's attribute name
+            {c.name: TableLocation(self._location(c, store), self._steps, store, weights_mb) for c in tables}
+        )
+        # per forward with grad: (dim, packed keys [U], leaves of their rows in key order: one for
+        # every table of a dim, or with several features on a table one per table, each feature
+        # pooled by its own call, so that a table's row gradient sums its features' contributions in
+        # the order torchrec's EmbeddingBagCollection sums them)
+        self._pending: list[tuple[int, np.ndarray, list[torch.Tensor]]] = []
+        self._warned_unapplied = False
+        self._cache: list[tuple[KeyedJaggedTensor, BatchKeys]] = []
+        self._cache_lock = threading.Lock()
+
+    @staticmethod
+    def _location(c: EmbeddingBagConfig, store) -> dict:
+        opt = getattr(store, "optimizer", None)
+        return {
+            "table": c.name,
+            "num_rows": c.num_embeddings,
+            "dim": c.embedding_dim,
+            "pooling": c.pooling.name,
+            "store": type(store).__name__ if store is not None else None,
+            "namespace": getattr(store, "namespace", None),
+            "optimizer": type(opt).__name__ if opt is not None else None,
+            "seed": getattr(store, "seed", None),
+            "rows": "on the store, not in this state_dict",
+        }
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._weighted
+
+    @property
+    def device(self) -> torch.device:
+        """Where forward computes (rows are moved there); follows ``module.to(device)``."""
+        return self._device
+
+    def _apply(self, fn, recurse=True):
+        # ``to``, ``cuda``, ``cpu``, ``to_empty``: the module has no tensors of its own, so learn the
+        # target device from what ``fn`` does to an empty one
+        self._device = fn(torch.empty(0, device=self._device)).device
+        self._on_host = self._device.type == "cpu"
+        return super()._apply(fn, recurse)
+
+    def __prepare_scriptable__(self):
+        raise NotTraceableError(self._refusal("scripted by torch.jit.script"))
+
+    def _refusal(self, how: str) -> str:
+        kind = type(self.store).__name__ if self.store is not None else "a store"
+        return (
+            f"StoreEmbeddingBagCollection cannot be {how}: its forward pulls rows from {kind} at run time, "
+            "which a graph cannot hold. Keep the module eager (torch.compile works: the lookup runs eagerly) "
+            "or trace/export the dense part of the model alone."
+        )
+
+    def batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
+        """The batch's unique row keys and lookups, computed once per batch: by the data reader's
+        read-ahead thread (``prepare``) or by the first of stage, prefetch and forward to ask. The
+        newest few are kept: the batch in training, the next one and the one being read ahead."""
+        for f, ctx in self._cache:  # a list replaced whole, never changed in place: safe to scan
+            if f is features:
+                return ctx
+        ctx = self._batch_keys(features)
+        with self._cache_lock:
+            self._cache = [(features, ctx), *(c for c in self._cache[: _CACHED - 1] if c[0] is not features)]
+        return ctx
+
+    def prepare(self, batch) -> None:
+        """Work out a batch's keys ahead of its step (on the data reader's thread)."""
+        self.batch_keys(batch.sparse_features)
+
+    def _batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
+        if not isinstance(features, KeyedJaggedTensor):
+            features = maybe_td_to_kjt(features, None)  # a TensorDict, as torchrec's module takes it
+        if features.device().type != "cpu":  # keys are worked out on the host, for the store
+            features = features.to(_HOST)
+        names = self._feature_names
+        if not names:  # tables=[]: nothing to look up
+            empty = torch.empty(0, dtype=torch.int64)
+            return BatchKeys(
+                np.empty(0, np.int64), empty, torch.zeros(1, dtype=torch.int64), features.stride(), groups=[]
+            )
+        vbe = features.variable_stride_per_key()
+        weights = bags = None
+        if features.keys() == names:  # the usual case: the batch holds exactly these features, in order
+            values, lengths, batch = features.values(), features.length_per_key(), features.stride()
+            offsets = features.offsets()
+            if vbe:
+                bags = features.stride_per_key()
+            if self._weighted:
+                weights = features.weights()
+        else:
+            # each feature's values and bags cut out of the batch (not ``to_dict``, which fails on a
+            # batch of no samples)
+            at = {k: i for i, k in enumerate(features.keys())}
+            missing = [f for f in names if f not in at]
+            if missing:
+                raise KeyError(f"features {missing} are not in the batch (it has {features.keys()})")
+            batch = features.stride()
+            per_key = features.stride_per_key() if vbe else [batch] * len(at)
+            vstart = np.concatenate([[0], np.cumsum(features.length_per_key(), dtype=np.int64)]).tolist()
+            bstart = np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)]).tolist()
+            pick = [at[f] for f in names]
+            all_values, all_lengths = features.values(), features.lengths()
+            values = torch.cat([all_values[vstart[i] : vstart[i + 1]] for i in pick])
+            lengths = [vstart[i + 1] - vstart[i] for i in pick]
+            per_bag = torch.cat([all_lengths[bstart[i] : bstart[i + 1]] for i in pick]).to(torch.int64)
+            if vbe:
+                bags = [per_key[i] for i in pick]
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), per_bag.cumsum(0)])
+            if self._weighted:
+                all_weights = features.weights()
+                weights = torch.cat([all_weights[vstart[i] : vstart[i + 1]] for i in pick])
+        num_bags = len(names) * batch if bags is None else sum(bags)
+        if len(offsets) != num_bags + 1:
+            raise ValueError(f"batch has {len(offsets) - 1} bags for {len(names)} features x batch {batch}")
+        counts = torch.tensor(lengths, dtype=torch.int64)
+        limit = torch.repeat_interleave(self._limits, counts)
+        values = values.to(torch.int64)
+        bad = (values < 0) | (values >= limit)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(counts.cumsum(0), torch.tensor(i), right=True))
+            name, t, n = self._features[f]
+            raise RowRangeError(
+                f"table {self._table_names[t]!r} (feature {name!r}): row id {int(values[i])} out of range [0, {n})"
+            )
+        base = torch.repeat_interleave(self._bases, counts)
+        uniq, inverse = torch.unique(values + base, return_inverse=True)
+        offsets = offsets.to(torch.int64)
+        single = len(values) == num_bags and bool(torch.all(offsets[1:] - offsets[:-1] == 1))
+        ctx = BatchKeys(uniq.numpy(), inverse, offsets, batch, single, weights)
+        ctx.bags = [batch] * len(names) if bags is None else list(bags)
+        spread = features.inverse_indices_or_none()
+        if spread is not None:  # each feature's bags spread over the output's samples, as torchrec's module does
+            at = {k: i for i, k in enumerate(spread[0])}
+            ctx.expand = [spread[1][at[f]].to(torch.int64) for f in names]
+            ctx.batch_size = int(spread[1].shape[1])
+        if not self._fast or spread is not None:
+            ctx.groups = self._group_keys(ctx, [int(n) for n in lengths])
+        if not self._on_host:
+            self._move(ctx)
+        return ctx
+
+    def _group_keys(self, ctx: BatchKeys, lengths: list[int]) -> list[GroupKeys]:
+        """The general path's per-dim work of a batch: each dim's keys and, per pooling call, the
+        positions of its values in that dim's rows, its bag offsets and weights."""
+        keys, inverse, offsets, weights = ctx.keys, ctx.inverse, ctx.offsets, ctx.weights
+        vstart = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).tolist()
+        bstart = np.concatenate([[0], np.cumsum(ctx.bags, dtype=np.int64)]).tolist()
+        slices = {t: (lo, hi) for t, lo, hi in rowkeys.table_slices(keys)}
+        one = len(self._groups) == 1
+        out = []
+        for plan in self._groups:
+            present = [(t, *slices[t]) for t in plan.tables if t in slices]
+            if one:
+                gkeys = keys
+            elif present:
+                gkeys = np.concatenate([keys[lo:hi] for _, lo, hi in present])
+            else:
+                gkeys = np.empty(0, np.int64)
+            place, at = {}, 0  # table -> (its place in `present`, its first row in gkeys, in keys)
+            for i, (t, lo, hi) in enumerate(present):
+                place[t] = (i, at, lo)
+                at += hi - lo
+            g = GroupKeys(gkeys, [(place[t][1], place[t][1] + hi - lo) for t, lo, hi in present])
+            if plan.fused and one:  # every feature in one call over every row: the batch's own arrays
+                g.inverse, g.offsets, g.weights = inverse, offsets, weights
+            elif plan.fused:
+                inv, off, w, n = [], [], [], 0
+                for j in plan.features:
+                    s, e = vstart[j], vstart[j + 1]
+                    _, first, lo = place.get(self._features[j][1], (-1, 0, 0))
+                    inv.append(inverse[s:e] - (lo - first))
+                    off.append(offsets[bstart[j] : bstart[j + 1]] - s + n)
+                    if weights is not None:
+                        w.append(weights[s:e])
+                    n += e - s
+                off.append(torch.tensor([n], dtype=torch.int64))
+                g.inverse, g.offsets = torch.cat(inv), torch.cat(off)
+                g.weights = torch.cat(w) if weights is not None else None
+            else:
+                g.features = []
+                for j in plan.features:
+                    s, e = vstart[j], vstart[j + 1]
+                    i, _, lo = place.get(self._features[j][1], (-1, 0, 0))
+                    g.features.append(
+                        (
+                            i,
+                            inverse[s:e] - lo,
+                            offsets[bstart[j] : bstart[j + 1] + 1] - s,
+                            weights[s:e] if weights is not None else None,
+                        )
+                    )
+            out.append(g)
+        return out
+
+    def _move(self, ctx: BatchKeys) -> None:
+        """The batch's index tensors on the module's device (keys stay on the host, for the store)."""
+        dev = self._device
+
+        def to(t):
+            return t.to(dev, non_blocking=True) if t is not None else None
+
+        ctx.inverse, ctx.offsets, ctx.weights = to(ctx.inverse), to(ctx.offsets), to(ctx.weights)
+        if ctx.expand is not None:
+            ctx.expand = [to(e) for e in ctx.expand]
+        for g in ctx.groups or []:
+            g.inverse, g.offsets, g.weights = to(g.inverse), to(g.offsets), to(g.weights)
+            if g.features is not None:
+                g.features = [(i, to(v), to(o), to(w)) for i, v, o, w in g.features]
+
+    def unique_keys(self, features: KeyedJaggedTensor) -> np.ndarray:
+        """The sorted unique packed row keys that ``forward(features)`` will pull."""
+        return self.batch_keys(features).keys
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if torch.compiler.is_compiling():  # dynamo (torch.compile, strict torch.export) or non-strict torch.export
+            if torch.compiler.is_exporting():
+                raise NotTraceableError(self._refusal("exported by torch.export"))
+            return _eager_forward(self, features)
+        return self._forward(features)
+
+    def _forward(self, features) -> KeyedTensor:
+        if torch.jit.is_tracing():
+            raise NotTraceableError(self._refusal("traced by torch.jit.trace"))
+        if _fx_tracing():
+            raise NotTraceableError(self._refusal("traced by torch.fx"))
+        if not self._on_host and self._device.type == "meta":
+            return self._meta_forward(features)
+        if self.store is None:
+            raise ValueError("StoreEmbeddingBagCollection built on device='meta' without a store has no rows to read")
+        ctx = self.batch_keys(features)
+        track = torch.is_grad_enabled() and self.training
+        if ctx.groups is not None:
+            return self._forward_groups(ctx, track)
+        # the fast path: one dim, one pooling, one feature per table; every row pooled in one call
+        keys, dim = ctx.keys, self.dim
+        rows = torch.from_numpy(self.row_source.pull_keys(keys)) if len(keys) else torch.empty((0, dim))
+        if not self._on_host:
+            rows = rows.to(self._device)
+        num, batch = len(self._features), ctx.batch_size
+        if track:
+            rows.requires_grad_(True)
+            self._track(dim, keys, [rows])
+        every = len(ctx.offsets) == num * batch + 1  # as many bags for every feature (no variable batch)
+        if self._kernels == "fbgemm" and every and kernels.applies(rows, self._mode, ctx.weights):
+            # fbgemm's TBE forward and backward (``embeddings.bags.kernels``): [B, num_features * dim] at once
+            values = kernels.pool(rows, ctx.inverse, ctx.offsets, num, self._mode)
+            return KeyedTensor(keys=self._output_keys, length_per_key=[dim] * num, values=values, key_dim=1)
+        # one value per bag: a gather, whose backward (index_add) is a quarter of embedding_bag's
+        if ctx.single and ctx.weights is None:
+            pooled = rows.index_select(0, ctx.inverse)
+        else:
+            pooled = F.embedding_bag(
+                ctx.inverse,
+                rows,
+                ctx.offsets,
+                mode=self._mode,
+                per_sample_weights=ctx.weights,
+                include_last_offset=True,
+            )
+        # [num_features * B, dim], feature-major -> [B, num_features * dim]
+        values = pooled.view(num, batch, dim).transpose(0, 1).reshape(batch, num * dim)
+        return KeyedTensor(keys=self._output_keys, length_per_key=[dim] * num, values=values, key_dim=1)
+
+    def _forward_groups(self, ctx: BatchKeys, track: bool) -> KeyedTensor:
+        """Every other shape: per embedding dim one pull; a dim whose tables each feed one feature
+        with one pooling pooled in one call, else one call per feature over its table's rows."""
+        dev = self._device
+        pooled: list[torch.Tensor] = [None] * len(self._features)  # type: ignore[list-item]
+        for plan, g in zip(self._groups, ctx.groups):
+            d = plan.dim
+            rows = torch.from_numpy(self.row_source.pull_keys(g.keys)) if len(g.keys) else torch.empty((0, d))
+            if not self._on_host:
+                rows = rows.to(dev)
+            if plan.fused:
+                if track:
+                    rows.requires_grad_(True)
+                    self._track(d, g.keys, [rows])
+                bags = {ctx.bags[j] for j in plan.features}
+                if self._kernels == "fbgemm" and len(bags) == 1 and kernels.applies(rows, plan.modes[0], g.weights):
+                    out = kernels.pool(rows, g.inverse, g.offsets, len(plan.features), plan.modes[0])
+                    for k, j in enumerate(plan.features):  # [B, features * d]: each feature's columns
+                        pooled[j] = out[:, k * d : (k + 1) * d]
+                    continue
+                out = F.embedding_bag(
+                    g.inverse,
+                    rows,
+                    g.offsets,
+                    mode=plan.modes[0],
+                    per_sample_weights=g.weights,
+                    include_last_offset=True,
+                )
+                at = 0
+                for j in plan.features:
+                    pooled[j] = out[at : at + ctx.bags[j]]
+                    at += ctx.bags[j]
+                continue
+            leaves = [rows[lo:hi].requires_grad_(True) if track else rows[lo:hi] for lo, hi in g.tables]
+            if track and leaves:
+                self._track(d, g.keys, leaves)
+            for j, mode, (i, inverse, offsets, weights) in zip(plan.features, plan.modes, g.features):
+                # a table with no id in the batch: an empty one (its bags pool to zeros, as torchrec's)
+                leaf = leaves[i] if i >= 0 else torch.empty((0, d), device=dev, requires_grad=track)
+                pooled[j] = F.embedding_bag(
+                    inverse, leaf, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True
+                )
+        if ctx.expand is not None:  # a variable batch per feature: each sample's bag
+            pooled = [p.index_select(0, e) for p, e in zip(pooled, ctx.expand)]
+        values = torch.cat(pooled, dim=1) if pooled else torch.empty((ctx.batch_size, 0), device=dev)
+        return KeyedTensor(keys=self._output_keys, length_per_key=list(self._lengths), values=values, key_dim=1)
+
+    def _meta_forward(self, features) -> KeyedTensor:
+        """On the meta device (planners, shape inference): the output's shape; no store is read."""
+        if not isinstance(features, KeyedJaggedTensor):
+            features = maybe_td_to_kjt(features, None)
+        inverse = features.inverse_indices_or_none()
+        batch = int(inverse[1].shape[1]) if inverse is not None else features.stride()
+        values = torch.empty((batch, sum(self._lengths)), device=self._device)
+        return KeyedTensor(keys=self._output_keys, length_per_key=list(self._lengths), values=values, key_dim=1)
+
+    def _track(self, dim: int, keys: np.ndarray, leaves: list[torch.Tensor]) -> None:
+        """Keep a forward's row leaves for ``pop_key_grads``; warn once when row gradients pile up
+        unapplied (a loop that steps a dense optimizer over ``model.parameters()`` only)."""
+        if len(self._pending) >= _UNAPPLIED_WARN and not self._warned_unapplied:
+            backwards = sum(any(leaf.grad is not None for leaf in ls) for _, _, ls in self._pending)
+            if backwards >= _UNAPPLIED_WARN * len(self._groups):
+                self._warned_unapplied = True
+                warnings.warn(
+                    f"StoreEmbeddingBagCollection: the row gradients of {backwards // len(self._groups)} backward passes were "
+                    "never applied. Its tables are not in model.parameters() (an optimizer over them trains the "
+                    "dense part only); call apply_gradients() after each backward (or pop_key_grads() to apply "
+                    "them yourself)",
+                    stacklevel=3,
+                )
+        self._pending.append((dim, keys, leaves))
+
+    @staticmethod
+    def _collect(pending, keys: list, grads: list) -> None:
+        """The keys and row gradients of ``pending`` forwards, in order, onto ``keys`` and ``grads``."""
+        for _, k, leaves in pending:
+            if all(leaf.grad is not None for leaf in leaves):
+                keys.append(k)
+                grads.extend(leaf.grad for leaf in leaves)
+                continue
+            at = 0  # some tables took no part in the loss (or no backward ran): their rows get no update
+            for leaf in leaves:
+                n = leaf.shape[0]
+                if leaf.grad is not None:
+                    keys.append(k[at : at + n])
+                    grads.append(leaf.grad)
+                at += n
+
+    def _joined(self, keys: list, grads: list) -> tuple[np.ndarray, torch.Tensor]:
+        g = torch.cat(grads)
+        return np.concatenate(keys), g if self._on_host else g.cpu()
+
+    def pop_key_grads(self) -> tuple[np.ndarray, torch.Tensor]:
+        """Per-row gradients of the forwards since the last pop, then forgotten: (packed keys [n],
+        gradients [n, dim]) on the host; a key appears once per forward that pulled it (and had a
+        gradient). Tables of several dims: ``pop_key_grads_by_dim``."""
+        if self.dim is None and self._groups:
+            raise ValueError(
+                "StoreEmbeddingBagCollection: tables of several embedding dims; use pop_key_grads_by_dim()"
+            )
+        keys, grads = [], []
+        self._collect(self._pending, keys, grads)
+        self._pending = []
+        if not keys:
+            return np.empty(0, np.int64), torch.empty((0, self.dim or 0))
+        return self._joined(keys, grads)
+
+    def pop_key_grads_by_dim(self) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+        """``pop_key_grads`` per embedding dim: dim -> (packed keys [n], gradients [n, dim]); dims
+        without a gradient are left out."""
+        pending, self._pending = self._pending, []
+        out = {}
+        for dim in dict.fromkeys(d for d, _, _ in pending):
+            keys, grads = [], []
+            self._collect([p for p in pending if p[0] == dim], keys, grads)
+            if keys:
+                out[dim] = self._joined(keys, grads)
+        return out
+
+    def apply_gradients(self) -> None:
+        """Send this step's per-row gradients to the store's optimizer (one write per embedding dim),
+        then forget them."""
+        self._steps[0] += 1  # a step, with or without a gradient (as torch's optimizers count one)
+        for keys, grads in self.pop_key_grads_by_dim().values():
+            keys, grads = sum_by_key(keys, grads)
+            if len(keys):
+                self.store.apply_keys(keys, grads, t=self._steps[0])
+
+    @property
+    def optimizer_step(self) -> int:
+        """Optimizer steps applied so far (``apply_gradients`` calls; ``Adam``'s ``t`` is the next)."""
+        return self._steps[0]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._pending = []
+        super().zero_grad(set_to_none)

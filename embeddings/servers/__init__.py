@@ -1,0 +1,1 @@
+"""Local ``redis-server`` shards: started, failed, supervised and stopped."""

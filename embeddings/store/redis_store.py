@@ -1,0 +1,239 @@
+"""The Redis-backed store: rows sharded over several ``redis-server`` processes.
+
+Layout (``embeddings.store.buckets``): rows sit in Redis hashes of ``span`` consecutive row ids, key
+``{namespace}:{table_index}:`` followed by ``row // span`` as 8 bytes big-endian, field
+``row % span`` (1 or 2 bytes), value the row's ``[dim + state]`` little-endian float32 bytes
+(fixed width per table); each hash stays a listpack on the server, about 1.2x the rows' bytes
+against 2.5x for a string per row. Bulk reads and writes go through ``embeddings.net.wire``
+(numpy-encoded pipelined HGET/HSET); reads of several shards run in parallel from a thread pool
+(socket I/O releases the GIL), a step's writes are sent to every shard before any reply is read
+(``write_step``). A server keeps the hashes compact only under its ``hash-max-listpack-*`` limits:
+the store raises them with ``CONFIG SET`` before its first write to a server, and where that is
+refused, warns once (one line) and writes on: the rows are exact, only bigger.
+
+Per shard, bookkeeping keys ``{namespace}:meta:applied`` (the last step whose update the shard
+applied) and ``{namespace}:meta:undo`` (that step's rows as they were before it, for a rollback of
+one step after a trainer restart).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+import redis
+
+from embeddings.errors import ShardUnavailableError
+from embeddings.net.links import ShardLinks
+from embeddings.optim import RowOptimizer
+from embeddings.shard_map import ShardMap
+from embeddings.snapshots.keys import Snapshots
+from embeddings.store.base import IdsByTable, StoreBase
+from embeddings.store.buckets import BucketLayout
+from embeddings.store.evictions import EvictionWatch
+from embeddings.store.held import HeldRows
+from embeddings.store.holding import Holding
+from embeddings.store.markers import Markers, decode_groups, encode_groups
+from embeddings.store.outage import OutageRows
+from embeddings.store.reads import RowReads
+from embeddings.store.writes import RowWrites
+from embeddings.tables import TableSet
+
+__all__ = ["RedisStore", "decode_groups", "encode_groups"]  # the undo record codec, as before the split
+
+T = TypeVar("T")
+
+
+class RedisStore(StoreBase):
+    """Rows of every table, sharded over Redis endpoints by a ``ShardMap``.
+
+    ``urls`` are ``redis://`` or ``rediss://`` (TLS) URLs, optionally with ``user:password@``.
+    Every call is bounded by ``timeout_s``; a shard that is dead or does not answer in time raises
+    ``ShardUnavailableError`` (or its subclass ``ShardTimeoutError``) naming shard and endpoint.
+    ``connection_kwargs`` pass through to ``redis.Redis`` (e.g. ``ssl_ca_certs``).
+
+    The store is in parts, one job each, which this class puts together behind the interface the
+    trainer and recovery use:
+    - ``links`` (``embeddings.net.links``): connections, reconnects, failover, the error mapping;
+    - ``reads`` (``embeddings.store.reads``): the row reads;
+    - ``writes`` (``embeddings.store.writes``): a step's write, write-behind, rows laid by a restore;
+    - ``held`` (``embeddings.store.held``) and ``holding`` (``embeddings.store.holding``): the rows this trainer
+      holds, and what a restore leaves of them;
+    - ``markers`` (``embeddings.store.markers``): applied markers, undo records, rollback;
+    - ``snapshots`` (``embeddings.snapshots.keys``): a shard's keys as a whole (snapshot, load, clear);
+    - ``evictions`` (``embeddings.store.evictions``): the eviction and policy checks.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tables: TableSet,
+        optimizer: RowOptimizer,
+        *,
+        namespace: str = "recsys",
+        seed: int = 0,
+        placement: str = "row",
+        timeout_s: float = 5.0,
+        connection_kwargs: dict | None = None,
+        replica_urls: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(tables, optimizer, seed)
+        if not urls:
+            raise ValueError("RedisStore needs at least one shard URL")
+        if not namespace or any(c in namespace for c in ": \t\n"):
+            raise ValueError(f"namespace {namespace!r} must be non-empty without ':' or spaces")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.shard_map = ShardMap(tables, len(urls), placement)  # type: ignore[arg-type]
+        # a bucket's rows are hashed over every shard (``row`` placement), so its span grows with them
+        self.layout = BucketLayout(spread=len(urls) if placement == "row" else 1)
+        self.restore_refused: dict[str, str] = {}  # endpoint -> why it refused RESTORE (load_snapshot)
+        self.sync_refused: dict[str, str] = {}  # endpoint -> why it did not load a snapshot as a sync
+        # a benchmark's ceiling (``RECSYS_ROWS_NOWHERE=1``, bench_throughput's limit row): the row
+        # writes are built and never sent, so the rows live in this process's held rows alone
+        self.rows_nowhere = False
+        self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+        self.held: HeldRows | None = None
+        # the rows of shards that are away (restored in the background under --train-through):
+        # reads of their rows are answered here, never by their servers (``embeddings.store.outage``)
+        self.outage: OutageRows | None = None
+        self.links = ShardLinks(urls, namespace, self.layout, timeout_s, connection_kwargs, replica_urls, self._forget)
+        links = self.links  # the lists below are the links' own (a failover changes them in place)
+        self.cluster, self.urls, self.endpoints, self.replica_urls = (
+            links.cluster,
+            links.urls,
+            links.endpoints,
+            links.replica_urls,
+        )
+        self._pools, self._clients, self._wires, self._locks = links.pools, links.clients, links.wires, links.locks
+        self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
+        self.rows_written = 0  # rows the training steps' writes put on their shards
+        self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
+        self.reload_kept = self.reload_absent = self.reload_read = (
+            0  # rows of restored shards: held again, absent, read
+        )
+        self.reads = RowReads(self)
+        self.writes = RowWrites(self)
+        self.holding = Holding(self)
+        self.markers = Markers(self)
+        self.snapshots = Snapshots(self)
+        self.evictions = EvictionWatch(self)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._clients)
+
+    def key_namespace(self, shard: int) -> str:
+        """What a shard's keys start with: the namespace, or on a cluster its hash tag ``{ns.S.J}``."""
+        tags = self.links.tags
+        return self.namespace if tags is None else "{" + tags[shard] + "}"
+
+    def prefix(self, table_index: int, shard: int) -> bytes:
+        return f"{self.key_namespace(shard)}:{table_index}:".encode()
+
+    def meta_key(self, name: str, shard: int) -> bytes:
+        """A per-shard bookkeeping key of this namespace (not a row: rows have 8 binary id bytes)."""
+        return f"{self.key_namespace(shard)}:meta:{name}".encode()
+
+    def key(self, table_index: int, row: int) -> bytes:
+        """The Redis key of one row: its bucket (a hash; the row is its field ``location(...)[1]``)."""
+        return self.location(table_index, row)[0]
+
+    def location(self, table_index: int, row: int) -> tuple[bytes, bytes]:
+        """(key, field) of one row: the hash of its bucket and its field there."""
+        shard = int(self.shard_map.shard_of(table_index, np.array([row]))[0])
+        return self.layout.location(self.prefix(table_index, shard), int(row), 4 * self.width(table_index))
+
+    # -- StoreBase hooks and the row path ---------------------------------------------------------
+    def _fetch(self, requests: IdsByTable):
+        return self.reads.fetch(requests)
+
+    def _store(self, requests, step=None, undo=None):
+        """Plain rows (``write_rows``, ``update_many``). A training step's write, with its applied
+        marker and undo record, goes through ``_store_keys`` -> ``RowWrites.write_step``."""
+        if step is not None:
+            raise ValueError("RedisStore writes a step's rows with apply_keys(keys, grads, step)")
+        self.writes.plain(requests)
+
+    def read_keys(self, keys: np.ndarray) -> np.ndarray:
+        return self.reads.read_keys(keys)
+
+    def _store_keys(self, keys, rows, step=None, undo=None) -> None:
+        failed = self.writes.write_step(keys, rows, self.shard_map.shard_of_keys(keys), step, undo)
+        if failed:
+            raise next(iter(failed.values()))
+
+    def write_behind(self, keys, rows, shards, step: int, undo, before=None, window: bool = False, after=None) -> None:
+        """See ``RowWrites.write_behind``; ``join_behind`` is its commit point."""
+        self.writes.write_behind(keys, rows, shards, step, undo, before, window, after)
+
+    def join_behind(self) -> dict[int, ShardUnavailableError]:
+        """The commit point of the last ``write_behind``: waits for it. -> the shards that failed."""
+        return self.writes.join_behind()
+
+    def from_redis(self):
+        """Reads inside go to the shards even for held rows (``RowReads.from_redis``)."""
+        return self.reads.from_redis()
+
+    def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
+        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
+        return self.holding.hold_rows(shards, budget_bytes)
+
+    def _forget(self, shard: int | None = None) -> None:
+        """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
+        (None: every shard's)."""
+        if self.held is not None:
+            self.held.restores.clear(shard)
+
+    # -- per shard ------------------------------------------------------------------------------
+    def call(self, shard: int, fn: Callable[[redis.Redis], T]) -> T:
+        """Run ``fn(client)`` on one shard with the store's error mapping."""
+        return self.links.call(shard, fn)
+
+    def endpoint(self, shard: int) -> str:
+        return self.endpoints[shard]
+
+    def ping(self) -> list[bool]:
+        """Per shard: True when it answers PING within the timeout."""
+        out = []
+        for s, c in enumerate(self._clients):
+            try:
+                out.append(bool(self.links.mapped(s, c.ping)))
+            except ShardUnavailableError:
+                out.append(False)
+        return out
+
+    def applied_step(self, shard: int) -> int | None:
+        """The last step whose update this shard applied (None: never)."""
+        return self.markers.applied_step(shard)
+
+    def applied_steps(self) -> list[int | None]:
+        """Per shard: the last step whose update it applied (None: never)."""
+        return self.markers.applied_steps()
+
+    def rollback(self, shard: int, to_step: int) -> int:
+        """Back to ``to_step`` (``Markers.rollback``). Returns rows restored."""
+        return self.markers.rollback(shard, to_step)
+
+    def load_snapshot(self, shard: int, path) -> int:
+        """This namespace's keys of the RDB file at ``path`` onto one shard, over the protocol: one
+        full synchronization, one ``RESTORE`` per key, else (a server that refuses both, said in one
+        line) one HSET per bucket (``embeddings.snapshots.restore_load``); -> the bytes sent."""
+        return self.snapshots.load(shard, path)
+
+    def check_evictions(self, resume: str | None = None, why_not: str = "") -> None:
+        """At a commit point: a server that evicted rows of the run stops it (``EvictionWatch.check``)."""
+        self.evictions.check(resume, why_not)
+
+    # -- maintenance ---------------------------------------------------------------------
+    def clear(self) -> int:
+        """Delete every key of this namespace on every shard; returns how many."""
+        return self.snapshots.clear()
+
+    def close(self) -> None:
+        self.writes.close()
+        self.links.close()

@@ -1,0 +1,1 @@
+"""The ways back from a failure: a shard's restore per strategy, a trainer's restart, training through."""

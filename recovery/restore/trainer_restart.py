@@ -1,0 +1,187 @@
+"""Starts and restarts: a fresh run's cleanup, a trainer restart's way back to its dense state, and
+which logs, saves and flushes a run keeps.
+
+After a restart with the dense state at step S every shard goes back to S: logs lose their records
+after S; shards that applied S + 1 undo it (their undo records); shards that are dead (a node failure
+takes its shards too), behind, or whose restore was cut short are recovered under the run's strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from embeddings import RedisStore, ShardDataError
+from recovery.accounting import Ledger
+from recovery.durable import layout
+from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.log import ShardLog
+from recovery.inject import Injector
+from recovery.journal import Journal
+from recovery.protocol import Collective, Detector, Outcome
+from recovery.restore.shard_restore import ShardRestore
+from recovery.restore.through import TrainThrough
+from recovery.saves import incremental, priority
+from recovery.writer import SparseWriter
+
+
+class Restarts:
+    def __init__(
+        self,
+        store: RedisStore,
+        rank: int,
+        collective: Collective,
+        detector: Detector,
+        writes: SparseWriter,
+        ledger: Ledger,
+        journal: Journal,
+        tools: ShardRestore,
+        log_dir: Path | None = None,
+        priority_saver=None,
+        flusher=None,
+        checkpointer: Checkpointer | None = None,
+        injector: Injector | None = None,
+    ) -> None:
+        self.store, self.rank, self.collective, self.detector = store, rank, collective, detector
+        self.writes, self.ledger, self.journal, self.tools = writes, ledger, journal, tools
+        self.log_dir, self.priority, self.flusher = log_dir, priority_saver, flusher
+        self.checkpointer, self.injector = checkpointer, injector
+
+    def drop_saves_after(self, step: int) -> None:
+        """Rank 0: priority saves and flushes of steps after ``step`` are an earlier run's (or of steps
+        a restart took back): a restore must never overlay them."""
+        if self.priority is not None:
+            priority.drop_after(self.priority.dir, step)
+        if self.flusher is not None:
+            incremental.drop_after(self.flusher.dir, self.store.num_shards, step)
+
+    def fresh_start(self) -> None:
+        """A new run (rank 0): log segments, saves and markers in the folders are an earlier run's.
+        And every shard back to step 0: a trainer restarted before the first dense state became
+        the restart point starts afresh, while the first write (step 1's rows, or the first
+        window's) may be on the shards, or cut short there; its undo record takes it back, as a
+        restart with the dense state at step 0 would (a shard that never applied one, or one further
+        on, is left)."""
+        if self.rank == 0:
+            self.drop_saves_after(0)
+            if self.log_dir is not None:
+                for seg in layout.log_segments(self.log_dir):
+                    seg.unlink()
+            self.journal.clear()
+            for s in range(self.store.num_shards):
+                # a shard that does not answer is failed here and met by the protocol at its first use
+                self.detector.guard(lambda s=s: self._undo_first_write(s))
+        self.collective.barrier()
+        for log in self.writes.logs.values():
+            log.open_segment(1)
+
+    def _undo_first_write(self, shard: int) -> None:
+        """Shard back to step 0 where it holds the first write alone (its marker at most 1); a shard
+        further on is another run's (a fresh start in its namespace) and is left as it is."""
+        applied = self.store.applied_step(shard)
+        if applied is None or applied <= 1:
+            self.store.rollback(shard, 0)
+
+    def resume(
+        self,
+        step: int,
+        t_restart: float,
+        restored_bytes: int,
+        rebuild: bool,
+        run_phase: Callable[[int, str, Callable], Outcome],
+    ) -> Outcome:
+        """Every shard back to ``step`` (the dense state's) under ``run_phase`` (the protocol, whose
+        recoveries restore every shard from a checkpoint with ``rebuild``). Returns its outcome
+        (``full`` or ``rebuild`` roll back further)."""
+        rolled: list[int] = []
+        self.writes.written_to = step
+        if self.ledger.keep_recent:  # the totals a loss is measured from
+            self.ledger.recent[step] = self.ledger.counter.total.copy()
+        if self.journal.load():
+            # an outage cut short by the restart keeps its record (``recovery.restore.through``)
+            TrainThrough.record_interrupted(self.journal, step, self.store.num_shards)
+            self.ledger.from_journal(self.journal.failures)
+        if self.rank == 0:
+            TrainThrough.check_restart(self.journal.run_dir, self.store.num_shards, self.tools.strategy.replays_log)
+            self.drop_saves_after(step)
+            if self.log_dir is not None:
+                for s in range(self.store.num_shards):
+                    ShardLog(self.log_dir, s).truncate_after(step)
+            for s in self.journal.interrupted_restores():
+                self.detector.fail(s)
+        done: set[int] = set()
+
+        def roll_back(only) -> None:
+            if self.rank != 0:
+                return
+            if rebuild:
+                if only is None:
+                    for s in range(self.store.num_shards):
+                        self.detector.fail(s)
+                return
+            for s in range(self.store.num_shards):
+                recovered = only is not None and s in only
+                if s in done and not recovered:
+                    continue
+                n = self._roll_back_shard(s, step, recovered)
+                if n is not None:
+                    done.add(s)
+                    rolled.append(n)
+
+        if self.injector is not None:
+            self.injector.during("resume")
+        out = run_phase(step + 1, "resume", roll_back)
+        self.tools.started_empty.clear()  # from here on an empty shard is a failure
+        counter = self.ledger.counter
+        last_checkpoint = max(c for c in counter.at_step if c <= step) if self.checkpointer is not None else step
+        for log in self.writes.logs.values():
+            log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1)
+        self.journal.record_trainer_failures(step, t_restart, restored_bytes, sum(rolled))
+        return out
+
+    def _roll_back_shard(self, s: int, step: int, recovered: bool) -> int | None:
+        """Shard ``s`` on its own to ``step``: undo ``step + 1``; -> rows rolled back, or None. A shard
+        that cannot get there (dead, empty, ahead by more than one write, or behind ``step``, as a
+        restore that its trainers never acted on or a server restarted from an old dump leaves it)
+        is failed here and recovered under the run's strategy, which counts what a partial one
+        loses. A shard recovered here is as of its restore (a log replay proves it reached ``step``)."""
+        d, note = self.detector, self.journal.note
+        ok, applied = d.guard(lambda: self.store.applied_step(s))
+        if not ok:
+            note(f"resume at step {step}: shard {s} unavailable")
+            return None
+        empty = applied is None and step > 0  # a server that came back empty (--resume): any strategy
+        # behind: a write that updated rows on it after its marker's step is not there (a shard with
+        # no row in a step keeps its marker: that is not behind)
+        behind = applied is not None and applied < min(step, int(self.ledger.last_update[s]))
+        if not recovered and (empty or behind):
+            note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
+            if empty and s in self.tools.local and not d.flags[s]:  # --resume started it: nothing failed
+                self.tools.started_empty.add(s)
+            d.fail(s)
+            return None
+        try:
+            ok, n = d.guard(lambda: self.store.rollback(s, step))
+        except ShardDataError as e:  # no undo record that fits: its rows cannot be trusted
+            note(f"resume at step {step}: shard {s}: {e}; recovering it")
+            d.fail(s)
+            return None
+        if not ok:
+            return None
+        note(f"resume at step {step}: shard {s} at step {applied}, rolled back {n} rows")
+        return n
+
+
+def trim_kept(checkpointer: Checkpointer | None, log_dir: Path | None, flusher, num_shards: int) -> None:
+    """Rank 0, after a manifest: log segments and flushes that every kept checkpoint covers can go.
+    (Not just those before the newest: if the newest turns out corrupt, log recovery falls back to
+    an older checkpoint and must still replay exactly.)"""
+    if checkpointer is None:
+        return
+    oldest = min(k.step for k in checkpointer.candidates())
+    if flusher is not None:
+        incremental.drop_before(flusher.dir, num_shards, oldest)
+    if log_dir is None:
+        return
+    for s in range(num_shards):
+        ShardLog(log_dir, s).drop_before(oldest)

@@ -1,0 +1,1 @@
+"""Row saves between checkpoints, off the training path: priority saves and incremental flushes."""

@@ -1,0 +1,1 @@
+"""A run's folder and what is read back from it: outputs, summary, verify, compare, export, metrics."""

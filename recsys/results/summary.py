@@ -1,0 +1,164 @@
+"""The run's summary (``summary.json``): rank 0's account of a finished run, built from what the
+trainer hands it (``run_summary``); the keys are documented in ``docs/architecture.md``."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from recovery.accounting import pls
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MB: ``VmHWM`` of its address space (Linux). Not
+    ``ru_maxrss``, which Linux carries across fork and exec: a process started by a large one would
+    report its parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+if TYPE_CHECKING:
+    from embeddings.store.base import StoreCounters
+    from recovery.durable.checkpoint import SaveStats
+    from recsys.clock import StepClock
+    from recsys.config import RunConfig
+    from recsys.schedule import Schedule
+
+
+@dataclass
+class SaveTotals:
+    """What the run's background writers and held-row reloads came to (``Trainer.finish``): bytes
+    and row counts summed over the trainers, seconds of the slowest trainer, except the log's
+    behind and background seconds (this trainer's)."""
+
+    log_bytes: float
+    log_seconds: float
+    log_behind_seconds: float
+    log_background_seconds: float
+    priority_bytes: float
+    flush_bytes: float
+    held_reload_s: float  # held rows read back after their shard was restored
+    held_rows_after_restores: dict[str, int]  # kept (held again), absent (known never written), read
+
+
+def after_warmup(warm: tuple[int, float] | None, steps: int, batch_size: int, end: float) -> float | None:
+    """Samples/s of the steps after the first ``recsys.clock.WARMUP_STEPS`` of this process (first-step
+    allocations, thread starts, the first reads of each row): how a reference engine timed after
+    the same warm-up compares. ``warm``: (step, ``perf_counter``) at the end of the warm-up;
+    ``end``: ``perf_counter`` when training ended. None when the run had no steps after them."""
+    if warm is None or steps <= warm[0]:
+        return None
+    seconds = end - warm[1]
+    return round((steps - warm[0]) * batch_size / seconds, 1) if seconds > 0 else None
+
+
+def run_summary(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    num_shards: int,
+    torch_threads: int,
+    t_setup: float,
+    t0: float,
+    wall: float,
+    wall_before: float = 0.0,
+    warm: tuple[int, float] | None,
+    final: dict,
+    digest: str | None,
+    ceiling_auc: float | None,
+    failures: list[dict],
+    lost: list[float],
+    injected: list[dict],
+    not_fired: list[str],
+    checkpoints: list[SaveStats],
+    saves: SaveTotals,
+    store: StoreCounters | None,
+    write_every: int,
+    schedule: Schedule,
+    priority_pauses: list[float],
+    flush_pauses: list[float],
+    clock: StepClock,
+    dense_saves: int,
+    dense_save_seconds: float,
+    backend_stats: dict,
+) -> dict:
+    """The summary of a run of ``cfg.train.steps`` steps that trained from ``t0`` for ``wall``
+    seconds after a setup that began at ``t_setup`` (``perf_counter`` times), ``wall_before``
+    seconds of it before this process (restarts: the whole run's wall time is the figure). ``final``: the final
+    evaluation; ``failures``, ``lost``: rank 0's failure records and samples lost per partial
+    recovery; ``injected``: the injections that fired; ``store``: None where the rows live in
+    this process."""
+    steps, G = cfg.train.steps, cfg.train.batch_size
+    return {
+        "steps_completed": steps,
+        "samples_trained": steps * G,
+        # the whole run, restarts included: a run with a failure never reads faster than without
+        "wall_seconds": round(wall + wall_before, 3),
+        "wall_seconds_before_restart": round(wall_before, 3),
+        "setup_seconds": round(t0 - t_setup, 3),
+        "throughput_samples_per_s": round(steps * G / (wall + wall_before), 1),
+        "throughput_after_warmup_samples_per_s": after_warmup(warm, steps, G, t0 + wall),
+        "final_auc": final["auc"],
+        "final_logloss": final["logloss"],
+        "final_ne": final["ne"],
+        "ceiling_auc": ceiling_auc,
+        "failures": failures,
+        "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in injected],
+        "injections_not_fired": not_fired,
+        "pls": pls(lost, steps * G),  # rank 0's losses: every partial recovery of the run
+        # what training through relaxed: rows read at a stale value, updates applied on a later value
+        "rows_read_stale": sum(int(f.get("rows_read_fallback") or 0) for f in failures),
+        "updates_applied_late": sum(int(f.get("updates_applied_late") or 0) for f in failures),
+        "embedding_digest": digest,
+        "embeddings": cfg.embeddings.embeddings,
+        "trainers": world_size,
+        "torch_threads": torch_threads,
+        "shards": num_shards,
+        "recovery": cfg.recovery.recovery,
+        "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
+        "checkpoints": [
+            {
+                "step": s.step,
+                "pause_s": round(s.pause_s, 4),
+                "total_s": round(s.total_s, 4),
+                "bytes": s.bytes,
+                **({"abandoned": s.abandoned} if s.abandoned else {}),
+            }
+            for s in checkpoints
+        ],
+        "log_bytes": int(saves.log_bytes),
+        "log_seconds": round(float(saves.log_seconds), 4),
+        "log_behind_seconds": round(saves.log_behind_seconds, 4),
+        "log_background_seconds": round(saves.log_background_seconds, 4),
+        "behind_wait_s": round(store.behind_wait_s if store is not None else 0.0, 4),
+        # this trainer's: rows its steps' writes put on the shards (a window writes each row once)
+        "rows_written": store.rows_written if store is not None else None,
+        "write_every": write_every,
+        "held_reload_s": round(saves.held_reload_s, 4),
+        "held_rows_after_restores": saves.held_rows_after_restores,
+        # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
+        # added beyond the budget for an open window
+        "row_cache": None if store is None or store.held is None else store.held.stats(),
+        "max_rss_mb": peak_rss_mb(),
+        "checkpoint_every": schedule.every,
+        "checkpoint_plan": schedule.plan,
+        "priority_saves": len(priority_pauses),
+        "priority_pause_s": round(sum(priority_pauses), 4),
+        "priority_bytes": int(saves.priority_bytes),
+        "flushes": len(flush_pauses),
+        "flush_pause_s": round(sum(flush_pauses), 4),
+        "flush_bytes": int(saves.flush_bytes),
+        "step_ms": clock.per_step_ms(steps),
+        # after the warm-up: the training thread on a CPU, runnable but off one, blocked
+        "training_thread_ms": clock.thread_ms(),
+        "dense_saves": dense_saves,
+        "dense_save_seconds": round(dense_save_seconds, 4),
+        **backend_stats,
+    }
