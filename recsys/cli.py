@@ -331,6 +331,25 @@ def add_train_arguments(tr: argparse.ArgumentParser) -> None:
         "much longer); WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
+    add_switches(tr)
+    tr.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="finish a run that stopped (a shard that did not come back, Ctrl-C) from its dense state, "
+        "checkpoints and logs; its config.toml is the base. A finished run is refused (its results are kept), "
+        "and so is a flag that changes the model, tables, data, sharding, strategy or namespace; these may "
+        "change: " + ", ".join(sorted(RESUME_FLAGS)),
+    )
+    tr.add_argument(
+        "--take-over-namespace",
+        action="store_true",
+        help="the --namespace belongs to another run (its claim on the shards) that is gone: delete every key "
+        "of the namespace on every shard (its rows, its claim) and claim it for this run",
+    )
+
+
+def add_switches(tr: argparse.ArgumentParser) -> None:
+    """``recsys train``'s on/off switches that are no config field of their own."""
     tr.add_argument(
         "--no-write-behind",
         action="store_true",
@@ -370,20 +389,6 @@ def add_train_arguments(tr: argparse.ArgumentParser) -> None:
         help="a failed shard is restored in the background while every trainer keeps stepping (partial, "
         "partial-mfu, partial-ssu, incremental, log); rows its writer caches are read exactly, others from "
         "their fallback (counted), and their updates are applied to the restored rows when it rejoins",
-    )
-    tr.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="finish a run that stopped (a shard that did not come back, Ctrl-C) from its dense state, "
-        "checkpoints and logs; its config.toml is the base. A finished run is refused (its results are kept), "
-        "and so is a flag that changes the model, tables, data, sharding, strategy or namespace; these may "
-        "change: " + ", ".join(sorted(RESUME_FLAGS)),
-    )
-    tr.add_argument(
-        "--take-over-namespace",
-        action="store_true",
-        help="the --namespace belongs to another run (its claim on the shards) that is gone: delete every key "
-        "of the namespace on every shard (its rows, its claim) and claim it for this run",
     )
 
 
@@ -479,32 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             api.bench_recovery(**vars(args))
             return 0
         if args.command == "verify":
-            from recsys.results.verify import VerifyError, verify
-
-            try:
-                code, line = verify(args.run, say=lambda x: print(x, file=sys.stderr))
-            except VerifyError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            print(line, file=sys.stdout if code == 0 else sys.stderr)
-            return code
+            return _verify(args)
         if args.command == "export":
-            from recsys.results.exporter import ExportError, export
-
-            try:
-                stats = export(
-                    args.run,
-                    args.to,
-                    optimizer_state=args.optimizer_state,
-                    block_mb=args.block_mb,
-                    step=args.step,
-                    redis=args.redis,
-                )
-                print(stats.line())
-            except ExportError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            return 0
+            return _export(args)
         if args.command == "compare":
             out = args.out or "."
             where = api.compare(args.runs, out=args.out)
@@ -536,28 +518,66 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {line} (traceback in {layout.error_traceback(out or '.', 'main')})", file=sys.stderr)
         return 1
     if summary is not None:
-        ceiling = summary["ceiling_auc"]
-        print(
-            json.dumps(
-                {
-                    k: summary[k]
-                    for k in (
-                        "steps_completed",
-                        "throughput_samples_per_s",
-                        "final_auc",
-                        "final_logloss",
-                        "ceiling_auc",
-                    )
-                }
-            )
-        )
-        print(
-            f"outputs in {cfg.train.out}/ (summary.json, metrics.jsonl, config.toml, plots/training.png)\n"
-            f"final AUC {summary['final_auc']:.4f}"
-            + (f"  beside the teacher's ceiling {ceiling:.4f}" if ceiling is not None else "")
-            + f"\n{failures_line(summary)}"
-        )
+        _print_summary(cfg, summary)
     return 0
+
+
+def _verify(args) -> int:
+    """``recsys verify RUN``: 0 when the rows rebuild, 1 when they do not, 2 on a bad run folder."""
+    from recsys.results.verify import VerifyError, verify
+
+    try:
+        code, line = verify(args.run, say=lambda x: print(x, file=sys.stderr))
+    except VerifyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(line, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def _export(args) -> int:
+    """``recsys export RUN --to DIR``: 0 with the export's line, 2 with its error's."""
+    from recsys.results.exporter import ExportError, export
+
+    try:
+        stats = export(
+            args.run,
+            args.to,
+            optimizer_state=args.optimizer_state,
+            block_mb=args.block_mb,
+            step=args.step,
+            redis=args.redis,
+        )
+        print(stats.line())
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _print_summary(cfg, summary: dict) -> None:
+    """``recsys train``'s closing lines: the summary's headline figures as JSON, then in words."""
+    ceiling = summary["ceiling_auc"]
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "steps_completed",
+                    "throughput_samples_per_s",
+                    "final_auc",
+                    "final_logloss",
+                    "ceiling_auc",
+                )
+            }
+        )
+    )
+    print(
+        f"outputs in {cfg.train.out}/ (summary.json, metrics.jsonl, config.toml, plots/training.png)\n"
+        f"final AUC {summary['final_auc']:.4f}"
+        + (f"  beside the teacher's ceiling {ceiling:.4f}" if ceiling is not None else "")
+        + f"\n{failures_line(summary)}"
+    )
 
 
 def failures_line(summary: dict) -> str:

@@ -19,7 +19,11 @@ _TORCH_FRESH = "torch" not in sys.modules  # torch is first imported below: noth
 
 import contextlib
 import dataclasses
+import datetime
+import faulthandler
+import gc
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -27,15 +31,18 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from embeddings import LocalShards
 from embeddings.net.cluster import seed_urls
 from embeddings.net.endpoints import check_endpoints, commands_needed
-from embeddings.servers.launcher import free_port
+from embeddings.servers.launcher import ShardSpec, free_port
 from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
-from recsys.errors import TrainerFailed, read_errors
+from recsys.errors import TrainerFailed, read_errors, report_error
 from recsys.results.rundir import (
     OutLock,
     check_resume,
@@ -46,7 +53,7 @@ from recsys.results.rundir import (
     resume_config,
     write_run_file,
 )
-from recsys.trainer import Trainer, worker_main
+from recsys.trainer import Trainer
 
 # errors a trainer sees when a peer died under it: not a reason to stop the run
 _PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
@@ -308,3 +315,97 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
         if not supervised:  # one trainer that nothing would restart: run it here
             return Trainer(cfg, urls, namespace, specs=specs).train()
         return launch_trainers(cfg, urls, namespace, specs)
+
+
+# -- one trainer process ---------------------------------------------------------------------------
+def _default_signals() -> None:
+    """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
+    SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
+    process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: int, world: int, claim: dict) -> str:
+    """Under torchrun: rank 0 picks the run's id and (without ``--namespace``) a namespace unique to
+    this launch, claims it on the shards and records both in the run folder; every rank gets the
+    namespace from it (a broadcast on the group just formed). A group the elastic agent restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) of the same launch, or a ``--resume``, keeps the run's.
+    ``claim``: ``take_over`` (``--take-over-namespace``), ``resume`` (``--resume``)."""
+    from recsys.results import rundir
+
+    said: list = [None, None]  # rank 0's namespace, or its error line
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            run_id, ns, fresh = rundir.torchrun_identity(cfg.train.out, namespace, claim.get("resume", False))
+            if cfg.embeddings.embeddings == "redis":
+                take_over = claim.get("take_over", False)
+                rundir.claim_namespace(cfg, urls, ns, run_id, take_over=take_over, fresh=fresh)
+            rundir.write_run_file(cfg.train.out, ns, run_id, launch=rundir.launch_id())
+            said[0] = ns
+        except Exception as e:  # noqa: BLE001 - the other ranks learn it failed; rank 0 reports it
+            error, said[1] = e, str(e)
+    if world > 1:
+        dist.broadcast_object_list(said, src=0)
+    if error is not None:
+        raise error
+    if said[0] is None:
+        raise SystemExit(3)  # rank 0 reports why
+    return said[0]
+
+
+_ENDED: list = []  # the trainers of this process, never freed before it exits (see worker_main)
+
+
+def worker_main(
+    cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None, claim: dict | None = None
+) -> dict | None:
+    """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
+    ``claim`` (torchrun): the group claims its namespace itself (``torchrun_namespace``); under
+    the launcher, the launcher did.
+
+    An error ends this process with exit status 3 after writing its traceback to
+    ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
+    prints that line); no traceback reaches the terminal."""
+    _default_signals()
+    cfg = RunConfig.from_dict(cfg_dict)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    try:
+        if world_size > 1:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        if claim is not None:
+            namespace = torchrun_namespace(cfg, urls, namespace, rank, world_size, claim)
+        trainer = Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
+        # kept until the process ends: freed here, DDP's reducer would destroy the gloo group with the
+        # GIL held while a gloo thread, done with the step's last allreduce, waits for the GIL to free
+        # its tensors under the lock the destructor waits for (a deadlock seen at the end of runs)
+        if world_size > 1:
+            _ENDED.append(trainer)
+        profile = os.environ.get("RECSYS_PROFILE")  # developers: cProfile of the training, per rank
+        if not profile:
+            return trainer.train()
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            try:
+                return trainer.train()
+            finally:
+                prof.dump_stats(f"{profile}.rank{rank}")
+    except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
+        line = report_error(Path(cfg.train.out), f"trainer{rank}", e)
+        if not os.environ.get("RECSYS_SUPERVISED"):  # torchrun: nobody else prints it
+            print(f"error: trainer {rank}: {line} (traceback in {cfg.train.out}/errors)", file=sys.stderr)
+        raise SystemExit(3) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if os.environ.get("RECSYS_SUPERVISED") and multiprocessing.parent_process() is not None:
+            gc.freeze()  # a trainer process, which ends with this call: its exit need not walk torch's heap

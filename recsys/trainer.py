@@ -11,20 +11,14 @@ The run state (step, reader position, checkpoint schedule, recovery accounting, 
 optimizer) is one ``state_dict()``: checkpoints, per-step dense saves and restarts all use it.
 
 Under the launcher (``python -m recsys train --trainers W``) or ``torchrun`` every trainer runs
-``worker_main``; with one trainer and no launcher, ``Trainer(...).train()`` runs in-process.
+``recsys.launch.worker_main``; with one trainer and no launcher, ``Trainer(...).train()`` runs in-process.
 """
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import gc
 import logging
-import multiprocessing
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -51,11 +45,12 @@ from recsys.backends import Backend, LocalBackend, StoreBackend
 from recsys.clock import WARMUP_STEPS, StepClock
 from recsys.config import RunConfig
 from recsys.datasets import sources
-from recsys.errors import report_error, reserve_space
+from recsys.errors import reserve_space
 from recsys.model import dense_optimizer, dense_params
+from recsys.results.final_model import digest, final_keeper, keep_model, save_model_file
 from recsys.results.metrics import evaluate_scores
-from recsys.results.outputs import NullOutputs, RunOutputs, embedding_digest
-from recsys.results.summary import SaveTotals, run_summary
+from recsys.results.outputs import NullOutputs, RunOutputs
+from recsys.results.summary import run_summary, save_totals
 from recsys.schedule import Schedule
 
 EVAL_BATCH = 4096
@@ -656,53 +651,6 @@ class Trainer:
         self.load_state_dict({"dense": state["dense"], "run": meta}, rollback=True)
         self.recovery.on_rollback(to_step)
 
-    def digest(self) -> str | None:
-        """SHA-256 over every row of every table (``summary.json``'s ``embedding_digest``); None, with
-        one line, where the tables hold more rows than ``--digest-max-rows`` (it reads them all)."""
-        rows = sum(self.cfg.data.rows)
-        limit = self.cfg.train.digest_max_rows
-        if rows > limit:
-            print(
-                f"embedding_digest skipped: the tables hold {rows:,} rows, over --digest-max-rows {limit:,} "
-                "(the digest reads every row)",
-                file=sys.stderr,
-            )
-            return None
-        return embedding_digest(self.backend.table_blocks())
-
-    def final_keeper(self):
-        """Rank 0 of a tier run (``--keep-model``, the default): what writes the trained model into
-        ``{out}/final`` (``recovery.durable.layout.final_dir``) as a checkpoint: every shard's final snapshot,
-        the dense state, a manifest (a ``recovery.durable.checkpoint.Checkpointer``). None where the run
-        keeps none."""
-        from recovery.durable import layout
-        from recovery.durable.checkpoint import Checkpointer
-
-        if not self.cfg.train.keep_model or self.rank != 0 or self.backend.store is None:
-            return None
-        return Checkpointer(
-            layout.final_dir(self.cfg.train.out),
-            keep=1,
-            # after a failover a shard is served by its replica: its snapshot over the network (as the factory's)
-            shards=[] if self.cfg.recovery.recovery == "replica" else self.specs,
-            store=self.backend.store,
-            run=self.namespace,
-            warn=lambda line: print(line.replace("checkpoint at", "final model at"), file=sys.stderr),
-            max_abandoned=0,
-        )
-
-    def keep_model(self, keeper) -> dict:
-        """Rank 0, after the final phase forked every shard's snapshot: the dense state and the copies
-        (``Checkpointer.finish``), waited for. -> ``summary.json``'s ``final_model``: its folder,
-        seconds (from the forks to the manifest) and bytes, or why it was abandoned."""
-        state = self.state_dict(self.steps)
-        stats = keeper.finish(self.steps, state["dense"], {**state["run"], "namespace": self.namespace})
-        keeper.wait()
-        if stats.abandoned:
-            return {"abandoned": stats.abandoned}
-        where = keeper.path(self.steps).relative_to(Path(self.cfg.train.out))
-        return {"path": str(where), "seconds": round(stats.total_s, 3), "bytes": stats.bytes}
-
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
@@ -720,41 +668,15 @@ class Trainer:
         self.dense_saver.discard()
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's
-        bg = self.recovery.wait_background()
-        # bytes every trainer wrote (logs, priority saves, flushes), summed in one collective
         store = self.backend.store  # None: the rows live in this process (nothing held, nothing restored)
-        saved = self.coll.sum_floats(
-            np.array(
-                [
-                    bg.log_bytes,
-                    bg.priority_bytes,
-                    bg.flush_bytes,
-                    # the rows of restored shards its writers held: held again, known absent, read back
-                    *((store.reload_kept, store.reload_absent, store.reload_read) if store is not None else (0, 0, 0)),
-                ],
-                dtype=np.float64,
-            )
-        )
-        reload_s = store.reload_s if store is not None else 0.0  # held rows read back after restores
-        log_us, reload_us = self.coll.max_flags(np.array([int(1e6 * bg.log_s), int(1e6 * reload_s)], dtype=np.int64))
-        saves = SaveTotals(
-            log_bytes=saved[0],
-            log_seconds=log_us / 1e6,
-            log_behind_seconds=bg.log_behind_s,
-            log_background_seconds=bg.log_background_s,
-            priority_bytes=saved[1],
-            flush_bytes=saved[2],
-            held_reload_s=reload_us / 1e6,
-            held_rows_after_restores={k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)},
-        )
+        saves = save_totals(self.coll, self.recovery.wait_background(), store)
         res: dict = {}
-        keeper = self.final_keeper()
+        keeper = final_keeper(self.cfg, self.backend.store, self.specs, self.namespace, self.rank)
 
         def final(only) -> None:
             if self.rank == 0:
                 res["eval"] = evaluate(self.plain, self.backend, self.data.eval, self.cfg.data.eval_samples)
-                res["digest"] = self.digest()
+                res["digest"] = digest(self.cfg, self.backend)
                 self.check_evictions(final=True)  # what the evaluation and the digest read was all there
                 if keeper is not None:
                     keeper.begin(self.steps)  # every shard forks its final snapshot (no row moves after this)
@@ -762,7 +684,7 @@ class Trainer:
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
-        kept = self.keep_model(keeper) if keeper is not None else None
+        kept = None if keeper is None else keep_model(keeper, self.state_dict(self.steps), self.namespace, self.cfg)
         summary = run_summary(
             self.cfg,
             world_size=self.world_size,
@@ -797,9 +719,7 @@ class Trainer:
         if self.init_stats is not None:
             summary["init_from"] = self.init_stats
         if self.cfg.train.save_model:
-            state = {f"dense.{k}": v for k, v in self.plain.state_dict().items() if "embedding_bags" not in k}
-            state.update({f"embedding.{k}": v for k, v in self.backend.weights().items()})
-            torch.save(state, self.cfg.final_model_path)
+            save_model_file(self.cfg, self.plain, self.backend)
         self.out.log(
             {
                 "step": self.steps,
@@ -810,96 +730,3 @@ class Trainer:
         )
         self.out.finish(summary)
         return out, summary
-
-
-def _default_signals() -> None:
-    """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
-    SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
-    process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
-def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: int, world: int, claim: dict) -> str:
-    """Under torchrun: rank 0 picks the run's id and (without ``--namespace``) a namespace unique to
-    this launch, claims it on the shards and records both in the run folder; every rank gets the
-    namespace from it (a broadcast on the group just formed). A group the elastic agent restarted
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) of the same launch, or a ``--resume``, keeps the run's.
-    ``claim``: ``take_over`` (``--take-over-namespace``), ``resume`` (``--resume``)."""
-    from recsys.results import rundir
-
-    said: list = [None, None]  # rank 0's namespace, or its error line
-    error: Exception | None = None
-    if rank == 0:
-        try:
-            run_id, ns, fresh = rundir.torchrun_identity(cfg.train.out, namespace, claim.get("resume", False))
-            if cfg.embeddings.embeddings == "redis":
-                take_over = claim.get("take_over", False)
-                rundir.claim_namespace(cfg, urls, ns, run_id, take_over=take_over, fresh=fresh)
-            rundir.write_run_file(cfg.train.out, ns, run_id, launch=rundir.launch_id())
-            said[0] = ns
-        except Exception as e:  # noqa: BLE001 - the other ranks learn it failed; rank 0 reports it
-            error, said[1] = e, str(e)
-    if world > 1:
-        dist.broadcast_object_list(said, src=0)
-    if error is not None:
-        raise error
-    if said[0] is None:
-        raise SystemExit(3)  # rank 0 reports why
-    return said[0]
-
-
-_ENDED: list = []  # the trainers of this process, never freed before it exits (see worker_main)
-
-
-def worker_main(
-    cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict] | None = None, claim: dict | None = None
-) -> dict | None:
-    """Entry point of one trainer process under the launcher or torchrun (env: RANK, WORLD_SIZE).
-    ``claim`` (torchrun): the group claims its namespace itself (``torchrun_namespace``); under
-    the launcher, the launcher did.
-
-    An error ends this process with exit status 3 after writing its traceback to
-    ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
-    prints that line); no traceback reaches the terminal."""
-    _default_signals()
-    cfg = RunConfig.from_dict(cfg_dict)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    try:
-        if world_size > 1:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        if claim is not None:
-            namespace = torchrun_namespace(cfg, urls, namespace, rank, world_size, claim)
-        trainer = Trainer(cfg, urls, namespace, world_size, rank, [ShardSpec(**s) for s in specs or []])
-        # kept until the process ends: freed here, DDP's reducer would destroy the gloo group with the
-        # GIL held while a gloo thread, done with the step's last allreduce, waits for the GIL to free
-        # its tensors under the lock the destructor waits for (a deadlock seen at the end of runs)
-        if world_size > 1:
-            _ENDED.append(trainer)
-        profile = os.environ.get("RECSYS_PROFILE")  # developers: cProfile of the training, per rank
-        if not profile:
-            return trainer.train()
-        import cProfile
-
-        with cProfile.Profile() as prof:
-            try:
-                return trainer.train()
-            finally:
-                prof.dump_stats(f"{profile}.rank{rank}")
-    except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
-        line = report_error(Path(cfg.train.out), f"trainer{rank}", e)
-        if not os.environ.get("RECSYS_SUPERVISED"):  # torchrun: nobody else prints it
-            print(f"error: trainer {rank}: {line} (traceback in {cfg.train.out}/errors)", file=sys.stderr)
-        raise SystemExit(3) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if os.environ.get("RECSYS_SUPERVISED") and multiprocessing.parent_process() is not None:
-            gc.freeze()  # a trainer process, which ends with this call: its exit need not walk torch's heap

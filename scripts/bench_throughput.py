@@ -473,6 +473,44 @@ def print_cache_sweep(args) -> None:
             )
 
 
+def tier_row(label: str, shards: int, trainers: int, prefetch: str, summary: dict) -> tuple:
+    """One row of the main table for a run of the tier."""
+    return (label, shards, trainers, prefetch, tput(summary), step_parts(summary), summary["throughput_samples_per_s"])
+
+
+def pair_rounds(args, tmp: str) -> tuple[list, list]:
+    """``--pairs`` rounds, each the fused engine (in the plain loop and inside the project's loop)
+    and the tier's goal configuration measured back to back, in alternating order.
+    -> (rounds, training-thread times)."""
+    pairs, threads = [], []
+    k = args.write_every
+    for i in range(args.pairs):
+        measures = [
+            lambda: fused_samples_per_s(args),
+            lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
+            lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
+        ]
+        if k:
+            measures.append(
+                lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
+            )
+        also = args.also_kernels
+        if also:
+            measures.append(
+                lambda i=i, also=also: run(
+                    config(args, Path(tmp) / f"pair-{also}-{i}", "redis", 2, False, 1, kernels=also)
+                )
+            )
+        n = len(measures)
+        order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
+        got = {j: measures[j]() for j in order}
+        pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k else None, tput(got[n - 1]) if also else None))
+        threads.append(
+            [g.get("training_thread_ms") or {} for g in (got[2], got.get(3) if k else None) if g is not None]
+        )
+    return pairs, threads
+
+
 def measure(args) -> tuple[list, list, list]:
     """The main table's runs, then ``--pairs`` rounds: -> (table rows, rounds, training-thread times)."""
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -499,80 +537,34 @@ def measure(args) -> tuple[list, list, list]:
                         label = "on (turned off: the trainer holds every row)"  # recsys/backends.py
                     k = summary.get("write_every", 1)
                     rows.append(
-                        (
+                        tier_row(
                             f"redis tier, {'--prefetch' if prefetch else 'defaults'} (--write-every {k})",
-                            *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
+                            s,
+                            w,
+                            label,
+                            summary,
                         )
                     )
                     if (s, w, prefetch) == (2, 1, False):  # what the per-step dense save for restarts costs
                         summary = run(
                             config(args, out.with_name(out.name + "-norestart"), "redis", s, False, w, restarts=False)
                         )
-                        rows.append(
-                            (
-                                "redis tier, --max-restarts 0",
-                                *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
-                            )
-                        )
+                        rows.append(tier_row("redis tier, --max-restarts 0", s, w, label, summary))
                         summary = limit_run(config(args, out.with_name(out.name + "-limit"), "redis", s, False, w))
-                        rows.append(
-                            (
-                                LIMIT,
-                                *(s, w, label, tput(summary), step_parts(summary), summary["throughput_samples_per_s"]),
-                            )
-                        )
+                        rows.append(tier_row(LIMIT, s, w, label, summary))
                         if args.write_every:
                             k = args.write_every
                             summary = run(
                                 config(args, out.with_name(f"{out.name}-w{k}"), "redis", s, False, w, write_every=k)
                             )
-                            rows.append(
-                                (
-                                    f"redis tier, --write-every {k}",
-                                    *(
-                                        s,
-                                        w,
-                                        label,
-                                        tput(summary),
-                                        step_parts(summary),
-                                        summary["throughput_samples_per_s"],
-                                    ),
-                                )
-                            )
+                            rows.append(tier_row(f"redis tier, --write-every {k}", s, w, label, summary))
         # the reference again after the others: the machine is shared, and its figure moves most; the
         # ratios use the fastest fused figure (the strongest peer)
         rows.insert(
             1, ("torchrec fused EBC, measured again after the others", 1, 1, "-", fused_samples_per_s(args), {}, None)
         )
         rows.append(("torchrec fused EBC, torchrec's stock DLRM interaction", 1, 1, "-", stock, {}, None))
-        pairs, threads = [], []
-        k = args.write_every
-        for i in range(args.pairs):
-            measures = [
-                lambda: fused_samples_per_s(args),
-                lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
-                lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
-            ]
-            if k:
-                measures.append(
-                    lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
-                )
-            also = args.also_kernels
-            if also:
-                measures.append(
-                    lambda i=i, also=also: run(
-                        config(args, Path(tmp) / f"pair-{also}-{i}", "redis", 2, False, 1, kernels=also)
-                    )
-                )
-            n = len(measures)
-            order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
-            got = {j: measures[j]() for j in order}
-            pairs.append(
-                (got[0], got[1], tput(got[2]), tput(got[3]) if k else None, tput(got[n - 1]) if also else None)
-            )
-            threads.append(
-                [g.get("training_thread_ms") or {} for g in (got[2], got.get(3) if k else None) if g is not None]
-            )
+        pairs, threads = pair_rounds(args, tmp)
     return rows, pairs, threads
 
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except recsys.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from recsys.bench.recovery import markdown
+    from recsys.bench import markdown
 
     table = markdown(drill_rows(reference, runs), COLUMNS)
     text = f"Failure drill: {', '.join(schedule.specs)}; reference AUC {reference.summary.final_auc:.5f}\n\n{table}\n"

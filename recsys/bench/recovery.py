@@ -46,6 +46,7 @@ import numpy as np
 from data.progress import progress
 from recovery.durable import layout
 from recovery.strategy import Strategy
+from recsys.bench import markdown
 from recsys.bench.scaling import bench_scaling, parse_size  # noqa: F401 - parse_size: this module's API too
 from recsys.config import ConfigError
 
@@ -188,13 +189,6 @@ COLUMNS = [
 ]
 
 
-def markdown(rows: list[dict], columns=COLUMNS) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for r in rows:
-        lines.append("| " + " | ".join(str(r[c]) for c in columns) + " |")
-    return "\n".join(lines)
-
-
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -241,7 +235,7 @@ def bench_strategies(args) -> list[dict]:
         f"{args.steps} steps x {args.batch_size}, {args.shards} shards, {args.trainers} trainer(s), "
         f"checkpoint every {args.checkpoint_every}, failures at {', '.join(schedule)}"
     )
-    md = f"{title}\n\n{markdown(rows)}\n"
+    md = f"{title}\n\n{markdown(rows, COLUMNS)}\n"
     (out / "results.md").write_text(md)
     layout.schedule_file(out).write_text(json.dumps(schedule))
     plot(rows, out / "overhead_vs_auc.png", title)

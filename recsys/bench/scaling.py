@@ -74,7 +74,7 @@ def bench_scaling(args) -> list[dict]:
 
 
 def write_tables(rows: list[dict], out: Path, shards: int) -> str:
-    from recsys.bench.recovery import markdown
+    from recsys.bench import markdown
 
     cols = list(rows[0])
     no_replica = [r["shard_snapshot_mb"] for r in rows if r["recovery_replica_s"] == "-"]
@@ -154,8 +154,6 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
     """Seconds of each restore path (the recovery manager's, as a run uses it) and of Redis's own
     load: the one-shard and every-shard restores and the load the least of ``repeats`` rounds, the
     others once."""
-    import redis
-
     from embeddings.snapshots.restore_load import first_way
     from recovery.manager import RecoveryManager
     from recovery.protocol import Collective
@@ -182,27 +180,15 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
         return time.time() - t0
 
     def restart(*shards):
-        """Each shard's server restarted empty, as a supervisor on another machine would (not timed:
-        the restore is timed from the moment its empty replacement answers)."""
-
-        def run():
-            for s in shards:
-                sh.spec(s).rdb_path.unlink(missing_ok=True)
-                sh.restart(s)
-
-        return run
+        return lambda: restart_empty(sh, shards)
 
     def by_restore(fn) -> float:
         with first_way(store, "RESTORE"):  # the way a server that cannot take the sync gets its keys
             return fn()
 
     def replicas_follow(follow: bool) -> None:
-        """Each replica off its primary (the restores are timed without a second server replaying
-        every write on this machine's two cores), or back on it."""
-        for s in every if replicas else []:
-            c = redis.Redis.from_url(sh.url(s, replica=True))
-            c.replicaof(sh.host, sh.spec(s).port) if follow else c.replicaof("NO", "ONE")
-            c.close()
+        if replicas:
+            follow_primaries(sh, every, follow)
 
     # the restores compared with each other, and Redis's own load, are taken in rounds, the least of
     # each kept: a round's measurements share the machine's state (the page cache, another tenant)
@@ -237,6 +223,25 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
         sh.await_replica(0, timeout_s=600)  # the replica has resynced with its restored primary
         t["replica"] = recover("replica", sh.specs)
     return t
+
+
+def restart_empty(sh, shards) -> None:
+    """Each shard's server restarted empty, as a supervisor on another machine would (not timed:
+    the restore is timed from the moment its empty replacement answers)."""
+    for s in shards:
+        sh.spec(s).rdb_path.unlink(missing_ok=True)
+        sh.restart(s)
+
+
+def follow_primaries(sh, shards, follow: bool) -> None:
+    """Each replica off its primary (the restores are timed without a second server replaying every
+    write on this machine's two cores), or back on it."""
+    import redis
+
+    for s in shards:
+        c = redis.Redis.from_url(sh.url(s, replica=True))
+        c.replicaof(sh.host, sh.spec(s).port) if follow else c.replicaof("NO", "ONE")
+        c.close()
 
 
 def redis_load_seconds(sh, shard_file: Path) -> float:

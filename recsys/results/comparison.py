@@ -66,7 +66,7 @@ def rows(runs) -> list[dict]:
 
 
 def write_comparison(runs, out: Path) -> None:
-    from recsys.bench.recovery import markdown
+    from recsys.bench import markdown
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

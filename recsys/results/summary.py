@@ -7,6 +7,8 @@ import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from recovery.accounting import pls
 
 
@@ -46,6 +48,29 @@ class SaveTotals:
     flush_bytes: float
     held_reload_s: float  # held rows read back after their shard was restored
     held_rows_after_restores: dict[str, int]  # kept (held again), absent (known never written), read
+
+
+def save_totals(coll, bg, store) -> SaveTotals:
+    """``SaveTotals`` over the trainers (two collectives of ``coll``, every trainer alike): ``bg``,
+    this trainer's background writers once waited for (``Recovery.wait_background``); ``store``,
+    its Redis store (None where the rows live in the trainer: nothing held, nothing restored)."""
+    # every trainer writes its own shards' logs: bytes add up; the time is the slowest trainer's
+    # bytes every trainer wrote (logs, priority saves, flushes), summed in one collective
+    reloads = (store.reload_kept, store.reload_absent, store.reload_read) if store is not None else (0, 0, 0)
+    # the rows of restored shards its writers held: held again, known absent, read back
+    saved = coll.sum_floats(np.array([bg.log_bytes, bg.priority_bytes, bg.flush_bytes, *reloads], dtype=np.float64))
+    reload_s = store.reload_s if store is not None else 0.0  # held rows read back after restores
+    log_us, reload_us = coll.max_flags(np.array([int(1e6 * bg.log_s), int(1e6 * reload_s)], dtype=np.int64))
+    return SaveTotals(
+        log_bytes=saved[0],
+        log_seconds=log_us / 1e6,
+        log_behind_seconds=bg.log_behind_s,
+        log_background_seconds=bg.log_background_s,
+        priority_bytes=saved[1],
+        flush_bytes=saved[2],
+        held_reload_s=reload_us / 1e6,
+        held_rows_after_restores={k: int(v) for k, v in zip(("kept", "absent", "read"), saved[3:], strict=True)},
+    )
 
 
 def after_warmup(warm: tuple[int, float] | None, steps: int, batch_size: int, end: float) -> float | None:
@@ -123,6 +148,28 @@ def run_summary(
         "shards": num_shards,
         "recovery": cfg.recovery.recovery,
         "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
+        **save_figures(checkpoints, saves, store, write_every, schedule, priority_pauses, flush_pauses),
+        "step_ms": clock.per_step_ms(steps),
+        # after the warm-up: the training thread on a CPU, runnable but off one, blocked
+        "training_thread_ms": clock.thread_ms(),
+        "dense_saves": dense_saves,
+        "dense_save_seconds": round(dense_save_seconds, 4),
+        **backend_stats,
+    }
+
+
+def save_figures(
+    checkpoints: list[SaveStats],
+    saves: SaveTotals,
+    store: StoreCounters | None,
+    write_every: int,
+    schedule: Schedule,
+    priority_pauses: list[float],
+    flush_pauses: list[float],
+) -> dict:
+    """``run_summary``'s figures of what the run saved and wrote: checkpoints, logs, row writes, the
+    row cache, priority saves and flushes."""
+    return {
         "checkpoints": [
             {
                 "step": s.step,
@@ -155,10 +202,4 @@ def run_summary(
         "flushes": len(flush_pauses),
         "flush_pause_s": round(sum(flush_pauses), 4),
         "flush_bytes": int(saves.flush_bytes),
-        "step_ms": clock.per_step_ms(steps),
-        # after the warm-up: the training thread on a CPU, runnable but off one, blocked
-        "training_thread_ms": clock.thread_ms(),
-        "dense_saves": dense_saves,
-        "dense_save_seconds": round(dense_save_seconds, 4),
-        **backend_stats,
     }

@@ -37,10 +37,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from recovery.durable import layout
+
+if TYPE_CHECKING:
+    from recsys.config import RunConfig
 
 
 class VerifyError(Exception):
@@ -247,21 +251,7 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
     good, bad = _checkpoints(cfg, namespace)
     strategy = Strategy(cfg.recovery.recovery)
     if not cfg.log_dir or strategy.value not in ("log", "partial"):
-        from recovery.errors import CorruptCheckpointError
-
-        try:
-            kept = kept_model(run, namespace)
-            model = f" and its final model ({kept.path.relative_to(run)})" if kept is not None else ""
-        except CorruptCheckpointError as e:
-            bad.append(f"the final model: {e}")
-            model = ""
-        corrupt = f"; {len(bad)} fail their checksums: {bad[0]}" if bad else ""
-        return (
-            1 if bad else 0,
-            f"{run}: --recovery {strategy} {'overlays saves the logs do not hold' if cfg.log_dir else 'keeps no update log'}, "
-            "so its final rows cannot be rebuilt from its files; "
-            f"checked that {len(good)} kept checkpoint(s){model} verify (SHA-256){corrupt}",
-        )
+        return _checksums_only(run, cfg, namespace, strategy, good, bad)
     steps = int(summary["steps_completed"])
     n = len(cfg.embeddings.urls) or cfg.embeddings.shards
     ckpt = good[-1] if good else None  # the oldest kept: the logs reach back to it
@@ -292,17 +282,9 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
         finals = _final_rows(cfg, store, run, skipped)
         for line in skipped[was:]:
             say(f"verify: skipped {line}")
-        for where, rows in finals:
-            for t, got in rows.items():
-                want = tables[t][:, : got.shape[1]]
-                diff = np.flatnonzero(np.any(want.view(np.int32) != np.ascontiguousarray(got).view(np.int32), axis=1))
-                if len(diff):
-                    row = int(diff[0])
-                    shard = int(store.shard_map.shard_of(t, np.array([row]))[0])
-                    return 1, (
-                        f"{run}: shard {shard}, table {names[t]}, row {row}: rebuilt from {base} and the logs to "
-                        f"step {steps} it differs from {where} ({len(diff)} rows of the table differ)"
-                    )
+        differs = _first_difference(run, store, tables, finals, base, steps)
+        if differs is not None:
+            return 1, differs
         expected = summary.get("embedding_digest")
         if expected is not None and expected != digest:
             return 1, (
@@ -325,3 +307,41 @@ def verify(run_dir: str | Path, say=lambda line: None) -> tuple[int, str]:
         return 0, line
     finally:
         store.close()
+
+
+def _checksums_only(run: Path, cfg: RunConfig, namespace: str, strategy, good: list, bad: list[str]) -> tuple[int, str]:
+    """A run whose final rows its files cannot rebuild (no update log, or saves the logs do not
+    hold): its kept checkpoints and final model checked against their checksums alone."""
+    from recovery.errors import CorruptCheckpointError
+
+    try:
+        kept = kept_model(run, namespace)
+        model = f" and its final model ({kept.path.relative_to(run)})" if kept is not None else ""
+    except CorruptCheckpointError as e:
+        bad.append(f"the final model: {e}")
+        model = ""
+    corrupt = f"; {len(bad)} fail their checksums: {bad[0]}" if bad else ""
+    return (
+        1 if bad else 0,
+        f"{run}: --recovery {strategy} {'overlays saves the logs do not hold' if cfg.log_dir else 'keeps no update log'}, "
+        "so its final rows cannot be rebuilt from its files; "
+        f"checked that {len(good)} kept checkpoint(s){model} verify (SHA-256){corrupt}",
+    )
+
+
+def _first_difference(run: Path, store, tables: dict, finals: list, base: str, steps: int) -> str | None:
+    """The first row where a final copy of the rows (``finals``: (where, rows per table)) differs
+    from the rebuilt ``tables``, as the closing line; None where every row is equal, bit for bit."""
+    names = [spec.name for spec in store.tables.specs]
+    for where, rows in finals:
+        for t, got in rows.items():
+            want = tables[t][:, : got.shape[1]]
+            diff = np.flatnonzero(np.any(want.view(np.int32) != np.ascontiguousarray(got).view(np.int32), axis=1))
+            if len(diff):
+                row = int(diff[0])
+                shard = int(store.shard_map.shard_of(t, np.array([row]))[0])
+                return (
+                    f"{run}: shard {shard}, table {names[t]}, row {row}: rebuilt from {base} and the logs to "
+                    f"step {steps} it differs from {where} ({len(diff)} rows of the table differ)"
+                )
+    return None
