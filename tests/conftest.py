@@ -50,6 +50,7 @@ TIERS = {
         "test_ebc_equivalence",
         "test_ebc_surface",
         "test_outage",
+        "test_house",
     },
     "redis": {
         "test_ebc_equivalence_redis",
