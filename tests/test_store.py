@@ -228,7 +228,7 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
     to step 5 on top: rows last written by 4 are held again, rows first written after 5 are absent,
     the rest are unknown; each forgotten row is counted once."""
     from embeddings.rowkeys import pack
-    from embeddings.store.held import ABSENT, HELD, UNKNOWN, HeldRows
+    from embeddings.store.row_cache import ABSENT, HELD, UNKNOWN, HeldRows
 
     tables = TableSet([TableSpec("t", 100, 2)])
     held = HeldRows(tables, [2], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) >= 50).astype(np.int16))
@@ -248,7 +248,7 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
 
 
 def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
-    from embeddings.store.held import put_rows
+    from embeddings.store.row_cache import put_rows
 
     rng = np.random.default_rng(2)
     dst = rng.standard_normal((1000, 17)).astype(np.float32)

@@ -21,7 +21,7 @@ from embeddings.rowinit import init_rows
 from embeddings.tables import TableSet
 
 if TYPE_CHECKING:
-    from embeddings.store.held import HeldRows
+    from embeddings.store.row_cache import HeldRows
 
 # table index -> [n] int64 ids
 IdsByTable = dict[int, np.ndarray]

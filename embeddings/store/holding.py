@@ -1,4 +1,4 @@
-"""The store's side of the rows a trainer holds (``embeddings.store.held.HeldRows``): starting to hold
+"""The store's side of the rows a trainer holds (``embeddings.store.row_cache.HeldRows``): starting to hold
 the rows of the shards it writes, a fresh run's shards known empty, and what a restore of a shard
 leaves of them. One ``Holding`` per ``RedisStore`` (``store.holding``); the rows themselves are
 ``store.held``."""
@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from embeddings.errors import ShardUnavailableError
-from embeddings.store.held import HeldRows
+from embeddings.store.row_cache import HeldRows
 
 
 class Holding:

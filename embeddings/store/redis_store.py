@@ -33,11 +33,11 @@ from embeddings.snapshots.keys import Snapshots
 from embeddings.store.base import IdsByTable, StoreBase
 from embeddings.store.buckets import BucketLayout
 from embeddings.store.evictions import EvictionWatch
-from embeddings.store.held import HeldRows
 from embeddings.store.holding import Holding
 from embeddings.store.markers import Markers, decode_groups, encode_groups
 from embeddings.store.outage import OutageRows
 from embeddings.store.reads import RowReads
+from embeddings.store.row_cache import HeldRows
 from embeddings.store.writes import RowWrites
 from embeddings.tables import TableSet
 
@@ -59,7 +59,7 @@ class RedisStore(StoreBase):
     - ``links`` (``embeddings.net.links``): connections, reconnects, failover, the error mapping;
     - ``reads`` (``embeddings.store.reads``): the row reads;
     - ``writes`` (``embeddings.store.writes``): a step's write, write-behind, rows laid by a restore;
-    - ``held`` (``embeddings.store.held``) and ``holding`` (``embeddings.store.holding``): the rows this trainer
+    - ``held`` (``embeddings.store.row_cache``) and ``holding`` (``embeddings.store.holding``): the rows this trainer
       holds, and what a restore leaves of them;
     - ``markers`` (``embeddings.store.markers``): applied markers, undo records, rollback;
     - ``snapshots`` (``embeddings.snapshots.keys``): a shard's keys as a whole (snapshot, load, clear);

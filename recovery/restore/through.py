@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from embeddings import RedisStore, ShardUnavailableError, rowkeys
-from embeddings.store.held import ABSENT
 from embeddings.store.outage import OutageRows
+from embeddings.store.row_cache import ABSENT
 from recovery.accounting import Ledger
 from recovery.durable import layout
 from recovery.durable.files import write_atomic
