@@ -30,9 +30,13 @@ Tables whose row width differs from the first table's are not held.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 
 from embeddings import rowkeys
+from embeddings.errors import ShardUnavailableError
 from embeddings.store.row_cache_restores import HeldRestores
 from embeddings.store.row_slots import ABSENT, FREE, HELD, NEVER, SLOT_OVERHEAD, UNKNOWN, RowSlots, put_rows
 from embeddings.tables import TableSet
@@ -336,3 +340,111 @@ class HeldRows(RowSlots):
                 new = slots < 0
                 n = int(new.sum())
                 self._admit(keys[new], None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
+
+
+class RowCache:
+    """The store's part that owns the rows its trainer holds (``held``: a ``HeldRows``, None until
+    ``hold_rows``): starting to hold the rows of the shards it writes, a fresh run's shards known
+    empty, what a restore or rollback of a shard forgets of them and what it leaves, and the
+    counters of reading them back. One per ``RedisStore``; its front exposes ``row_cache``."""
+
+    def __init__(self, space, shard_map, num_shards: int) -> None:
+        self.space, self.shard_map, self.num_shards = space, shard_map, num_shards
+        self.held: HeldRows | None = None
+        self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
+        self.reload_kept = self.reload_absent = self.reload_read = (
+            0  # rows of restored shards: held again, absent, read
+        )
+
+    def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
+        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
+        sp = self.space
+        self.held = HeldRows(
+            sp.tables,
+            [sp.width(t) for t in range(len(sp.tables.specs))],
+            shards,
+            budget_bytes,
+            owner_of=self.shard_map.shard_of,
+            init=sp.initial_rows,  # held tables share one row width, hence one dim
+            owner_of_keys=self.shard_map.shard_of_keys,
+            num_shards=self.num_shards,
+        )
+        return self.held
+
+    def forget(self, shard: int | None = None) -> None:
+        """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
+        (None: every shard's)."""
+        if self.held is not None:
+            self.held.restores.clear(shard)
+
+    def assume_fresh(self, applied_step: Callable[[int], int | None]) -> None:
+        """A fresh run: the held shards that never applied a step (``applied_step``) hold none of its
+        rows yet, so a row of theirs this writer has not written is known absent (no first read from
+        Redis). A shard that does not answer now is assumed nothing of: its rows are read from it
+        (the recovery protocol meets its failure at the first such read), as another rank may
+        already be in a phase that killed it."""
+        held = self.held
+        if held is None:
+            return
+        fresh = set()
+        for s in sorted(held.shards):
+            try:
+                if applied_step(s) is None:
+                    fresh.add(s)
+            except ShardUnavailableError:
+                continue
+        if fresh:
+            held.assume_fresh(fresh)
+
+    def reload_held(
+        self,
+        shard: int,
+        fetch: Callable[[dict[int, np.ndarray]], object],
+        kept_upto: int | None = None,
+        absent_after: int | None = None,
+        overlay: tuple[np.ndarray, int] | None = None,
+    ) -> int:
+        """After a shard was restored: read back (``fetch``, one bulk read) the rows this writer held
+        on it, so that the steps after the recovery read them from memory again and its write-behind
+        keeps overlapping them; rows no longer on the shard are known never written. With the
+        restore's steps (``HeldRestores.restored``), rows unchanged by it are held again without a
+        read and rows first written after it are known never written. -> rows read."""
+        held = self.held
+        if held is None or shard not in held.shards:
+            return 0
+        t0 = time.perf_counter()
+        restores = held.restores
+        if kept_upto is None or absent_after is None:
+            restores.drop_forgotten(shard)
+        else:
+            kept, gone = restores.restored(shard, kept_upto, max(kept_upto, absent_after), overlay)
+            self.reload_kept += kept
+            self.reload_absent += gone
+        requests = restores.unknown(shard)
+        if requests:
+            fetch(requests)
+        self.reload_s += time.perf_counter() - t0
+        n = sum(len(ids) for ids in requests.values())
+        self.reload_read += n
+        return n
+
+    def reinstate_held(self, shard: int) -> int:
+        """After a shard was restored to exactly what this writer wrote to it (its log replayed up to
+        the writer's last step): the rows it held there are held again, no read. -> rows held again."""
+        held = self.held
+        if held is None or shard not in held.shards:
+            return 0
+        return held.restores.reinstate(shard)
+
+    def drop_forgotten(self, shard: int) -> None:
+        """The rows of ``shard`` forgotten by its restore are not to be held again (it went back to an
+        earlier state)."""
+        if self.held is not None:
+            self.held.restores.drop_forgotten(shard)
+
+    def shard_rows(self, shard: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the rows held of ``shard`` (``HeldRestores.shard_rows``): (packed keys, rows
+        [n, width]); none without held rows."""
+        if self.held is None:
+            return np.empty(0, np.int64), np.empty((0, width), np.float32)
+        return self.held.restores.shard_rows(shard)

@@ -125,7 +125,7 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
         )
         fill(store, per_shard, n, rng)
         for s in range(n if replicas else 0):
-            store.links.wait_replicated(s, 600_000)
+            store.wait_replicated(s, 600_000)
         ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store, run=ns)
         dense = {"x": torch.zeros(1)}
         ckpt.save(0, dense, {"step": 0, "namespace": ns})  # warm-up (DCP's first save, replica syncs)
@@ -272,7 +272,7 @@ def log_replay(store, log_dir: Path, rng, steps: int = 100, rows_per_step: int =
     t0 = time.perf_counter()
     groups, _, last = log_groups(log_dir, 0, 0, steps)
     t1 = time.perf_counter()
-    store.writes.lay_rows(0, groups, step=last)
+    store.lay_rows(0, groups, step=last)
     t2 = time.perf_counter()
     written = sum(len(ids) for _, ids, _ in groups)
     return round(logged / (t2 - t0)), round(written / (t2 - t1))
@@ -335,7 +335,7 @@ def scan_copy(store, shard: int, path: Path) -> int:
     """The scan-based alternative to a fork: SCAN the shard's row buckets, read their rows (HVALS,
     pipelined) in chunks, write them. Consistent only if nothing writes meanwhile: its time is the
     pause it would cost. -> bytes."""
-    c, n = store.links.client(shard), 0
+    c, n = store.client(shard), 0
     with open(path, "wb") as f:
         keys = []
         for key in c.scan_iter(match=store.key_namespace(shard) + ":*", count=10_000, _type="hash"):
