@@ -269,7 +269,7 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     each row as the layout places it alone: one command per row, or per bucket for the dense run."""
     import hiredis
 
-    from embeddings.net.wire import RowConnection
+    from embeddings.net.wire import RowConnection, row_commands
     from embeddings.store.buckets import BucketLayout
 
     rng = np.random.default_rng(5)
@@ -283,7 +283,7 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     groups.append((b"ns:{0}:5:", np.arange(100, 1100), rng.standard_normal((1000, 17)).astype(np.float32)))
 
     conn = RowConnection(None, 1.0, BucketLayout(spread=3))  # type: ignore[arg-type]
-    commands, replies = conn._row_commands(groups)
+    commands, replies = row_commands(conn.layout, groups)
     got, sent = {}, 0
     for part in commands:
         reader = hiredis.Reader()

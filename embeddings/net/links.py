@@ -1,7 +1,7 @@
 """The store's connections to its shards: pools, row sockets, reconnects and failover, and the
 mapping of every client error to the store's errors (shard and endpoint named).
 
-One ``ShardLinks`` per ``RedisStore`` (``store.links``). Per shard it holds a ``redis`` connection
+One ``ShardLinks`` per ``RedisStore`` (its ``links``). Per shard it holds a ``redis`` connection
 pool and client (control commands), an ``embeddings.net.wire.RowConnection`` (bulk row traffic) and the
 lock that lets one bulk call at a time use that socket. A shard served by another process from now
 on (a restart, a promoted replica, a cluster failover) gets new connections here; ``forget(shard)``

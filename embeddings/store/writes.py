@@ -24,6 +24,7 @@ import redis
 from embeddings import rowkeys
 from embeddings.errors import ShardTimeoutError, ShardUnavailableError
 from embeddings.net.links import ShardLinks
+from embeddings.net.wire import row_commands
 from embeddings.shard_map import ShardMap
 from embeddings.store.markers import encode_groups, read_marker
 from embeddings.store.row_cache import RowCache
@@ -222,7 +223,7 @@ class RowWrites:
                             first.append([b"SET", sp.meta_key("undo", s), blob])
                         last.append([b"SET", sp.meta_key("applied", s), b"%d" % step])
                     if self.rows_nowhere:  # the benchmark's ceiling: the commands built, never sent
-                        reply = links.wires[s]._row_commands(args)
+                        reply = row_commands(links.wires[s].layout, args)
                     else:
                         reply = links.mapped(
                             s, lambda s=s, a=args, f=first, la=last: links.wires[s].send_rows(a, f, la)
