@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 
-from embeddings import RedisStore
+from embeddings import ConnectionOptions, RedisStore
 from embeddings.bags.prefetch import Prefetcher
 from recsys.config import RunConfig
 from recsys.model import local_model, row_optimizer, store_model, table_set
@@ -84,7 +84,7 @@ def open_store(cfg: RunConfig, urls: list[str], namespace: str, replicas: bool =
         seed=cfg.train.seed,
         placement=cfg.embeddings.placement,
         timeout_s=cfg.embeddings.timeout_s,
-        replica_urls=(cfg.embeddings.replica_urls or None) if replicas else None,
+        connect=ConnectionOptions(replica_urls=(cfg.embeddings.replica_urls or None) if replicas else None),
     )
 
 

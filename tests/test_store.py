@@ -20,7 +20,8 @@ from embeddings import (
     TableSpec,
     UnknownTableError,
 )
-from embeddings.servers.launcher import free_port
+from embeddings.net.links import ConnectionOptions
+from embeddings.servers.launcher import TlsFiles, free_port
 from tests.conftest import track
 
 TABLES = TableSet([TableSpec("small", 500, 8), TableSpec("wide", 2000, 64), TableSpec("huge", 10**8, 16)])
@@ -163,11 +164,13 @@ def test_tls_with_password(tmp_path, namespace):
         check=True,
         capture_output=True,
     )
-    with LocalShards(2, password="tls-pw", tls_cert_file=str(cert), tls_key_file=str(key)) as sh:
+    with LocalShards(2, password="tls-pw", tls=TlsFiles(str(cert), str(key))) as sh:
         track(sh)
         assert all(u.startswith("rediss://:tls-pw@127.0.0.1:") for u in sh.urls)
         tls = {"ssl_ca_certs": str(cert)}
-        with RedisStore(sh.urls, TABLES, SGD(lr=1.0), namespace=namespace, connection_kwargs=tls) as st:
+        with RedisStore(
+            sh.urls, TABLES, SGD(lr=1.0), namespace=namespace, connect=ConnectionOptions(connection_kwargs=tls)
+        ) as st:
             before = st.pull("wide", np.arange(1500))
             st.update("wide", np.arange(1500), np.ones((1500, 64), np.float32))
             np.testing.assert_allclose(st.pull("wide", np.arange(1500)), before - 1.0, atol=1e-6)

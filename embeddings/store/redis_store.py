@@ -26,7 +26,7 @@ import numpy as np
 import redis
 
 from embeddings.errors import ShardUnavailableError
-from embeddings.net.links import ShardLinks
+from embeddings.net.links import ConnectionOptions, ShardLinks
 from embeddings.optim import RowOptimizer
 from embeddings.shard_map import ShardMap
 from embeddings.snapshots.keys import Snapshots
@@ -42,7 +42,12 @@ from embeddings.store.shard_upkeep import ShardUpkeep
 from embeddings.store.writes import RowWrites
 from embeddings.tables import TableSet
 
-__all__ = ["RedisStore", "decode_groups", "encode_groups"]  # the undo record codec, as before the split
+__all__ = [
+    "ConnectionOptions",
+    "RedisStore",
+    "decode_groups",
+    "encode_groups",
+]  # the undo record codec, as before the split
 
 T = TypeVar("T")
 
@@ -53,7 +58,8 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
     ``urls`` are ``redis://`` or ``rediss://`` (TLS) URLs, optionally with ``user:password@``.
     Every call is bounded by ``timeout_s``; a shard that is dead or does not answer in time raises
     ``ShardUnavailableError`` (or its subclass ``ShardTimeoutError``) naming shard and endpoint.
-    ``connection_kwargs`` pass through to ``redis.Redis`` (e.g. ``ssl_ca_certs``).
+    ``connect`` (``ConnectionOptions``): ``connection_kwargs`` pass through to ``redis.Redis`` (e.g.
+    ``ssl_ca_certs``); ``replica_urls``, one per shard, its replica.
 
     The store is in parts, one job each, each given what it works on (never the store); this class
     puts them together behind the interface the trainer and recovery use, and owns them:
@@ -81,8 +87,7 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         seed: int = 0,
         placement: str = "row",
         timeout_s: float = 5.0,
-        connection_kwargs: dict | None = None,
-        replica_urls: Sequence[str] | None = None,
+        connect: ConnectionOptions | None = None,
     ) -> None:
         super().__init__(tables, optimizer, seed)
         if not urls:
@@ -100,8 +105,15 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         self.sync_refused: dict[str, str] = {}  # endpoint -> why it did not load a snapshot as a sync
         self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
         # a shard served by another process from now on: the writer's held rows of it go (``cache``)
+        connect = connect or ConnectionOptions()
         self.links = ShardLinks(
-            urls, namespace, self.layout, timeout_s, connection_kwargs, replica_urls, lambda s: self.cache.forget(s)
+            urls,
+            namespace,
+            self.layout,
+            timeout_s,
+            connect.connection_kwargs,
+            connect.replica_urls,
+            lambda s: self.cache.forget(s),
         )
         links = self.links  # the lists below are the links' own (a failover changes them in place)
         self.cluster, self.urls, self.endpoints, self.replica_urls = (

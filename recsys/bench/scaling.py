@@ -108,7 +108,7 @@ def fill(store, per_shard: int, shards: int, rng) -> None:
 def scaling_row(args, size: str, out: Path, rng) -> dict:
     import torch
 
-    from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
+    from embeddings import SGD, ConnectionOptions, LocalShards, RedisStore, TableSet, TableSpec
     from recovery.durable.checkpoint import Checkpointer
 
     nbytes = parse_size(size)
@@ -121,7 +121,12 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
         specs = sh.specs + ([sh.spec(i, replica=True) for i in range(n)] if replicas else [])
         ns = "scale"
         store = RedisStore(
-            sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=600.0, replica_urls=sh.replica_urls or None
+            sh.urls,
+            tables,
+            SGD(0.1),
+            namespace=ns,
+            timeout_s=600.0,
+            connect=ConnectionOptions(replica_urls=sh.replica_urls or None),
         )
         fill(store, per_shard, n, rng)
         for s in range(n if replicas else 0):
