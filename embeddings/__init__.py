@@ -14,6 +14,9 @@ _WHERE = {
     "StoreAuthError": "errors",
     "UnknownTableError": "errors",
     "LocalShards": "servers.launcher",
+    "ServerOptions": "servers.launcher",
+    "TlsFiles": "servers.launcher",
+    "ConnectionOptions": "net.links",
     "SGD": "optim",
     "Adagrad": "optim",
     "Adam": "optim",
@@ -40,6 +43,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ConnectionOptions",
+    "ServerOptions",
+    "TlsFiles",
     "DimMismatchError",
     "EmbeddingStore",
     "EmbeddingStoreError",

@@ -139,7 +139,7 @@ def build_recovery(
         log_dir=Path(rc.log_dir) if rc.log_dir else None,
         restart_timeout_s=rc.shard_restart_timeout,
         replica_wait=rc.replica_wait,
-        write_behind=rc.write_behind and world == 1 and store.held is not None,
+        write_behind=rc.write_behind and world == 1 and store.row_cache is not None,
         write_every=rc.write_every,
         committer_of=committer_of,
         train_through=rc.train_through,

@@ -272,9 +272,9 @@ class RecoveryManager:
         rebuilt = verdict.rollback is not None  # every shard restored from a checkpoint: no replica promoted
         for s in range(n) if rebuilt else recovered:
             if self.strategy.promotes and not rebuilt:
-                self.store.links.failover(s)  # every trainer serves the shard from its promoted replica
+                self.store.failover(s)  # every trainer serves the shard from its promoted replica
             else:
-                self.store.links.reconnect(s)  # connections to the old processes are dead
+                self.store.reconnect(s)  # connections to the old processes are dead
         for s in recovered:  # the rows this trainer held on them: held again, or read back in one bulk read
             self.writes.rehold(s, self._restored.get(s), self.strategy.replays_log, self.priority)
         self.drain()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from embeddings.store.held import HeldRows
+from embeddings.store.row_cache import HeldRows
 
 
 def closes_window(step: int, every: int) -> bool:

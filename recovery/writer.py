@@ -51,7 +51,7 @@ class SparseWriter:
         # step -> a wait that makes the dense state saved at ``step`` the restart point (or None): a
         # window's write runs it before its rows move (``DenseSaver.committer``)
         self.committer_of = committer_of
-        held = store.held
+        held = store.row_cache
         self.window = (
             Window(held, write_every)
             if write_behind and write_every > 1 and held is not None and held.holds_all()
@@ -108,7 +108,7 @@ class SparseWriter:
             for s in self.logs if only is None else sorted(set(only) & set(self.logs)):
                 if not rows_of[s]:
                     self.log_step(step, s, keys[:0], np.zeros((0, 0), np.float32), wait=not behind)
-        away = self.store.outage.split(keys) if self.store.outage is not None else None
+        away = self.store.away_mask(keys)
         if away is not None:  # rows of shards restored in the background (--train-through)
             self._apply_away(keys[away], grads[torch.from_numpy(np.flatnonzero(away))], shards[away], step)
             here = np.flatnonzero(~away)
@@ -130,7 +130,7 @@ class SparseWriter:
         if behind:
             self._hand_behind(owned, step, keys, current, new, shards, durable)
             return
-        failed = self.store.writes.write_step(keys, new, shards, step, undo=current)
+        failed = self.store.write_step(keys, new, shards, step, undo=current)
         for s in failed:
             self.detector.fail(s)
         if self.logs or self.replica_wait:
@@ -146,7 +146,7 @@ class SparseWriter:
         current = self.store.read_keys(keys)
         new = self.store.optimizer.apply(torch.from_numpy(current), grads, step).numpy()
         g = grads.detach().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads, np.float32)
-        exact = self.store.outage.update(keys, new, g, step)
+        exact = self.store.update_away(keys, new, g, step)
         for s in np.unique(shards).tolist():
             at = np.flatnonzero((shards == s) & exact)
             self.log_step(step, s, keys[at], new[at] if len(at) else np.zeros((0, 0), np.float32))
@@ -164,7 +164,7 @@ class SparseWriter:
                     self._logged(s, step)
                     log.append_keys(step, keys, new, shards)
         if self.window is not None:  # held now, written when the window closes
-            self.store.writes.hold_written(keys, new, shards, step, pin=True)
+            self.store.hold_written(keys, new, shards, step, pin=True)
             self.window.add(owned, step, keys, current)
             if self.window.closes_at(step):
                 self.write_window(before)
@@ -191,11 +191,11 @@ class SparseWriter:
 
     def _written(self, s: int, step: int, keys: np.ndarray, rows: np.ndarray) -> None:
         self.log_step(step, s, keys, rows)
-        if self.replica_wait and self.store.links.has_replica(s):
+        if self.replica_wait and self.store.has_replica(s):
             self._replicated(s)
 
     def _replicated(self, s: int) -> None:
-        self.detector.guard(lambda: self.store.links.wait_replicated(s, int(1000 * self.store.timeout_s)))
+        self.detector.guard(lambda: self.store.wait_replicated(s, int(1000 * self.store.timeout_s)))
 
     def _apply_by_shard(self, keys: np.ndarray, grads, shards: np.ndarray, step: int) -> None:
         for s in np.unique(shards).tolist():
@@ -272,7 +272,7 @@ class SparseWriter:
             self.redo_of.setdefault(s, []).extend(updates)
         if self.replica_wait:
             for s in np.unique(shards).tolist():
-                if s not in failed and self.store.links.has_replica(s):
+                if s not in failed and self.store.has_replica(s):
                     self._replicated(s)
 
     def on_failure_seen(self) -> None:
@@ -330,11 +330,11 @@ class SparseWriter:
         the rows it first wrote after the newest are known never written, and the rest are read back."""
         last = self.last_logged.get(s)
         if replays_log and last is not None and self.as_of.get(s, -1) >= last:
-            self.store.holding.reinstate_held(s)
+            self.store.reinstate_held(s)
             return
         base, newest = restored if restored is not None else (None, None)
         overlay = None
         if base is not None and newest > base and priority_saver is not None and not replays_log:
             keys = priority_saver.exact_rows(s, newest)  # the save overlaid is this writer's newest
             overlay = (keys, newest) if keys is not None else None
-        self.detector.guard(lambda: self.store.holding.reload_held(s, base, newest, overlay))
+        self.detector.guard(lambda: self.store.reload_held(s, base, newest, overlay))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 
-from embeddings import RedisStore
+from embeddings import ConnectionOptions, RedisStore
 from embeddings.bags.prefetch import Prefetcher
 from recsys.config import RunConfig
 from recsys.model import local_model, row_optimizer, store_model, table_set
@@ -84,7 +84,7 @@ def open_store(cfg: RunConfig, urls: list[str], namespace: str, replicas: bool =
         seed=cfg.train.seed,
         placement=cfg.embeddings.placement,
         timeout_s=cfg.embeddings.timeout_s,
-        replica_urls=(cfg.embeddings.replica_urls or None) if replicas else None,
+        connect=ConnectionOptions(replica_urls=(cfg.embeddings.replica_urls or None) if replicas else None),
     )
 
 
@@ -152,11 +152,11 @@ class StoreBackend(Backend):
         self.cfg = cfg
         self.world_size, self.rank = world_size, rank
         self.store = open_store(cfg, urls, namespace)
-        self.store.evictions.watch()  # a server that may evict rows is refused; evicted_keys noted
+        self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
             mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
             self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
-        held = self.store.held
+        held = self.store.row_cache
         if os.environ.get("RECSYS_ROWS_NOWHERE") == "1":
             self._rows_nowhere(cfg, world_size, held)
         # one trainer holding every table reads every row from memory: a prefetch would only copy them twice
@@ -176,7 +176,7 @@ class StoreBackend(Backend):
             raise ConfigError("RECSYS_ROWS_NOWHERE=1: needs one trainer whose --held-rows-mb holds every row")
         if cfg.recovery.checkpoint_every or cfg.recovery.inject or cfg.recovery.recovery == "log":
             raise ConfigError("RECSYS_ROWS_NOWHERE=1: no checkpoints, update logs or injected failures")
-        self.store.rows_nowhere = True
+        self.store.write_nowhere()
         print("warning: RECSYS_ROWS_NOWHERE=1: no row is written to Redis (a benchmark's ceiling)", file=sys.stderr)
 
     def prepare(self, batch: Batch) -> None:
@@ -184,7 +184,7 @@ class StoreBackend(Backend):
         self.ebc.prepare(batch)
 
     def prefetch(self, batch: Batch | None) -> None:
-        away = self.store.outage is not None and self.store.outage.active
+        away = self.store.outage_active
         if self.prefetcher is not None and batch is not None and not away:  # rows away: read at the stage
             self.prefetcher.prefetch(self.ebc.unique_keys(batch.sparse_features))
 
@@ -196,15 +196,10 @@ class StoreBackend(Backend):
         self.stager.stage(keys)
 
     def _serve(self, keys: np.ndarray, training: bool) -> None:
-        outage = self.store.outage
-        if outage is None or not outage.active:
-            return
-        away = outage.split(keys)
-        mine = keys[away] if away is not None else keys[:0]
         if self.world_size > 1:
-            outage.serve(mine, all_gather_keys, all_reduce_sum, training=training)
+            self.store.serve_away(keys, training, all_gather_keys, all_reduce_sum)
         else:
-            outage.serve(mine, training=training)
+            self.store.serve_away(keys, training)
 
     def serve_eval(self, batch: Batch) -> None:
         """Before an evaluation batch's forward while shards are away: their rows served as a step's
@@ -215,7 +210,7 @@ class StoreBackend(Backend):
     def lockstep_eval(self) -> bool:
         """Shards are away and several trainers run: an evaluation's rows of them come from every
         writer, so every trainer evaluates."""
-        return self.world_size > 1 and self.store.outage is not None and self.store.outage.active
+        return self.world_size > 1 and self.store.outage_active
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""
@@ -228,7 +223,7 @@ class StoreBackend(Backend):
         """A new run: the rows of this trainer's shards are known absent until it writes them (not
         so under ``--init-from``, whose rows were written before the first step)."""
         if not self.cfg.train.init_from:
-            self.store.holding.assume_fresh()
+            self.store.assume_fresh()
 
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""

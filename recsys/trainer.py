@@ -535,7 +535,7 @@ class Trainer:
         self._row_save(step, "flush", self.recovery.saves.flush, self.flush_pauses)
 
     def _row_save(self, step: int, what: str, save, pauses: list[float]) -> None:
-        held = self.backend.store.held
+        held = self.backend.store.row_cache
         hits = held.hits if held is not None else 0
         t0 = time.perf_counter()
         _, rows = self.recovery.guard(lambda: save(step))

@@ -72,7 +72,7 @@ def timed(fn, seconds: float) -> float:
 
 def naive_hget(store: RedisStore, ids: np.ndarray):
     """The plain way: redis-py pipelined HGET (hiredis parser), one Python bytes object per row."""
-    client = store._clients[0]
+    client = store.client(0)
     where = [store.location(0, i) for i in ids.tolist()]
 
     def run():

@@ -272,8 +272,8 @@ def cache_sweep(args, tmp: Path) -> list[dict]:
 
 def every_row_mb(rows: int, dim: int) -> float:
     """A budget that holds every row of the 26 tables (a slot per row, no eviction): the rows' bytes
-    and each slot's bookkeeping (``embeddings.store.held.SLOT_OVERHEAD``)."""
-    from embeddings.store.held import SLOT_OVERHEAD
+    and each slot's bookkeeping (``embeddings.store.row_cache.SLOT_OVERHEAD``)."""
+    from embeddings.store.row_cache import SLOT_OVERHEAD
 
     return 26 * rows * ((dim + 1) * 4 + SLOT_OVERHEAD) / 2**20 * 1.001
 

@@ -41,7 +41,7 @@ def test_apply_keys_with_held_rows_equals_per_table_updates(shards3, namespace):
         RedisStore(shards3.urls, TABLES, opt, namespace=namespace + "-ref") as ref,
     ):
         fast.hold_rows({0, 1, 2}, 1 << 30)
-        fast.holding.assume_fresh()
+        fast.assume_fresh()
         for step in range(1, 6):
             keys = random_keys(rng)
             grads = torch.from_numpy(rng.standard_normal((len(keys), 8)).astype(np.float32))
@@ -49,7 +49,7 @@ def test_apply_keys_with_held_rows_equals_per_table_updates(shards3, namespace):
             ref.update_many(
                 {TABLES.specs[t].name: (ids, grads[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(keys).items()}
             )
-        assert fast.held.hits > 0  # later steps read rows from memory, not from Redis
+        assert fast.row_cache.hits > 0  # later steps read rows from memory, not from Redis
         every = np.concatenate([rowkeys.pack(t, np.arange(s.num_rows)) for t, s in enumerate(TABLES)])
         with fast.from_redis():
             np.testing.assert_array_equal(fast.read_keys(every), ref.read_keys(every))
@@ -86,7 +86,7 @@ def test_a_step_write_cut_short_is_rolled_back(shards3, namespace):
         blob = encode_groups(2, [(t, ids, before[lo:hi]) for t, (ids, lo, hi) in groups.items()])
         t0, (ids0, lo0, hi0) = next(iter(groups.items()))
         junk = np.full((hi0 - lo0, 9), 123.0, np.float32)
-        wire = st._wires[0]
+        wire = st.links.wires[0]
         wire.finish(wire.send_rows([(st.prefix(t0, 0), ids0, junk)], [[b"SET", st.meta_key("undo", 0), blob]], []))
         assert st.applied_step(0) == 1
         assert np.all(st.read_keys(on0[lo0:hi0]) == 123.0)

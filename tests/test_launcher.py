@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from embeddings.servers.launcher import LauncherError, LocalShards, process_state
+from embeddings.servers.launcher import LauncherError, LocalShards, ServerOptions, process_state
 from tests.conftest import _pid_alive, track
 
 
@@ -67,7 +67,7 @@ def test_shards_die_with_a_killed_owner_process(tmp_path):
 
 def test_missing_binary_is_a_clear_error():
     with pytest.raises(LauncherError, match="redis-server not found.*/nonexistent/redis-server"):
-        LocalShards(1, redis_server="/nonexistent/redis-server")
+        LocalShards(1, server=ServerOptions(redis_server="/nonexistent/redis-server"))
     with pytest.raises(ValueError, match="num_shards=0"):
         LocalShards(0)
 

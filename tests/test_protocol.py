@@ -51,9 +51,8 @@ class ShardedStandIn:
     ``down`` (one set for every rank: a shard is down for all)."""
 
     def __init__(self, num_shards: int, down: set) -> None:
-        self.num_shards, self.held, self.down = num_shards, None, down
+        self.num_shards, self.row_cache, self.down = num_shards, None, down
         self.calls: list[tuple] = []
-        self.links = self.holding = self  # the store's parts the protocol calls (connections, held rows)
 
     def touch(self, shard: int) -> None:
         if shard in self.down:

@@ -284,8 +284,8 @@ def test_a_fresh_start_assumes_nothing_of_a_shard_that_is_already_dead(rig):
     sh, store, _, _ = rig
     store.hold_rows({0, 1, 2}, 1 << 20)
     sh.kill(1)
-    store.holding.assume_fresh()
-    assert store.held._fresh == {0, 2}
+    store.assume_fresh()
+    assert store.row_cache._fresh == {0, 2}
 
 
 def test_a_fresh_start_after_a_restart_takes_the_first_write_back(rig):
@@ -316,13 +316,13 @@ def held_shard_restored(rig, namespace, strategy: str, seed: int):
     before the kill)."""
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)
-    store.holding.assume_fresh()
+    store.assume_fresh()
     mgr = make_manager(strategy, store, sh, ckpt, logs)
     rng = np.random.default_rng(seed)
     train_steps(mgr, store, 1, 4, rng)
     checkpoint(mgr, ckpt, 4, namespace)
     train_steps(mgr, store, 5, 7, rng)
-    before, generation = all_rows(store), store.held.generation
+    before, generation = all_rows(store), store.row_cache.generation
     sh.kill(1)
     with store.from_redis():
         ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
@@ -343,9 +343,9 @@ def test_a_restore_forgets_only_its_shards_held_rows_and_reads_them_back(rig, na
     shard's, those last written by step 4 are held again, those first written after it are known
     never written, and only the rest (written both before and after) are read back."""
     _, store, _, kept = held_shard_restored(rig, namespace, "partial", 4)
-    assert store.held.generation > kept and store.reload_s > 0
+    assert store.row_cache.generation > kept and store.reload_s > 0
     assert min(store.reload_kept, store.reload_absent, store.reload_read) > 0, vars(store)
-    assert all(store.held.restores.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
+    assert all(store.row_cache.restores.unknown(s) == {} for s in range(3))  # nothing left to read from Redis
     held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], tier[t.name])
@@ -355,7 +355,7 @@ def test_a_log_replay_to_the_writers_last_step_keeps_its_held_rows_without_a_rea
     """A log replay brings the shard back to exactly what its writer wrote: the rows it held there
     are held again with no read from Redis, and equal what the shard now holds."""
     mgr, store, before, _ = held_shard_restored(rig, namespace, "log", 5)
-    assert store.reload_s == 0 and all(store.held.restores.unknown(s) == {} for s in range(3))
+    assert store.reload_s == 0 and all(store.row_cache.restores.unknown(s) == {} for s in range(3))
     held, tier = held_and_tier(store)
     for t in TABLES:
         np.testing.assert_array_equal(held[t.name], before[t.name])
@@ -373,7 +373,7 @@ def test_a_write_behind_that_failed_but_reached_the_log_is_not_redone(rig, names
     up to that step, so the write is not redone on it (redone, its update would be applied twice)."""
     sh, store, ckpt, logs = rig
     store.hold_rows({0, 1, 2}, 1 << 30)
-    store.holding.assume_fresh()
+    store.assume_fresh()
     mgr = make_manager("log", store, sh, ckpt, logs, write_behind=True)
     rng = np.random.default_rng(3)
 
@@ -500,7 +500,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
 
     store = RedisStore(sh.urls, TABLES, RowWiseAdagrad(lr=0.1), namespace=namespace, timeout_s=1.0)
     store.hold_rows({0, 1, 2}, 1 << 30)  # the writer of every shard, as one trainer is
-    store.holding.assume_fresh()
+    store.assume_fresh()
     ckpt = Checkpointer(tmp_path / f"ckpt-{namespace}", 2, sh.specs, store, run=namespace)
     saver = None
     if strategy != "partial":

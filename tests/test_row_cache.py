@@ -1,10 +1,10 @@
-"""The bounded row cache (``embeddings.store.held``) and its key index, against plain Python models."""
+"""The bounded row cache (``embeddings.store.row_cache``) and its key index, against plain Python models."""
 
 import numpy as np
 
 from embeddings.keyindex import KeyIndex
 from embeddings.rowkeys import pack
-from embeddings.store.held import ABSENT, HELD, HeldRows
+from embeddings.store.row_cache import ABSENT, HELD, HeldRows
 from embeddings.tables import TableSet, TableSpec
 
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from embeddings.bags import module as module_mod
+from embeddings.bags import table_state as module_mod
 from embeddings.bags.module import RowsTensor, StoreEmbeddingBagCollection
 from tests.test_ebc_equivalence import BATCH, make_batch, make_store
 from tests.test_ebc_surface import Tripwire, dlrm_over, one_dim_configs
@@ -145,7 +145,7 @@ import json, sys
 import numpy as np, torch
 import torch.distributed.checkpoint as dcp
 from torchrec.models.dlrm import DLRM
-from embeddings.bags import module as m
+from embeddings.bags import table_state as m
 from embeddings.servers.launcher import LocalShards
 from recsys.backends import open_store
 from recsys.config import RunConfig, DataConfig, ModelConfig

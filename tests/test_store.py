@@ -20,7 +20,8 @@ from embeddings import (
     TableSpec,
     UnknownTableError,
 )
-from embeddings.servers.launcher import free_port
+from embeddings.net.links import ConnectionOptions
+from embeddings.servers.launcher import TlsFiles, free_port
 from tests.conftest import track
 
 TABLES = TableSet([TableSpec("small", 500, 8), TableSpec("wide", 2000, 64), TableSpec("huge", 10**8, 16)])
@@ -163,11 +164,13 @@ def test_tls_with_password(tmp_path, namespace):
         check=True,
         capture_output=True,
     )
-    with LocalShards(2, password="tls-pw", tls_cert_file=str(cert), tls_key_file=str(key)) as sh:
+    with LocalShards(2, password="tls-pw", tls=TlsFiles(str(cert), str(key))) as sh:
         track(sh)
         assert all(u.startswith("rediss://:tls-pw@127.0.0.1:") for u in sh.urls)
         tls = {"ssl_ca_certs": str(cert)}
-        with RedisStore(sh.urls, TABLES, SGD(lr=1.0), namespace=namespace, connection_kwargs=tls) as st:
+        with RedisStore(
+            sh.urls, TABLES, SGD(lr=1.0), namespace=namespace, connect=ConnectionOptions(connection_kwargs=tls)
+        ) as st:
             before = st.pull("wide", np.arange(1500))
             st.update("wide", np.arange(1500), np.ones((1500, 64), np.float32))
             np.testing.assert_allclose(st.pull("wide", np.arange(1500)), before - 1.0, atol=1e-6)
@@ -228,7 +231,7 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
     to step 5 on top: rows last written by 4 are held again, rows first written after 5 are absent,
     the rest are unknown; each forgotten row is counted once."""
     from embeddings.rowkeys import pack
-    from embeddings.store.held import ABSENT, HELD, UNKNOWN, HeldRows
+    from embeddings.store.row_cache import ABSENT, HELD, UNKNOWN, HeldRows
 
     tables = TableSet([TableSpec("t", 100, 2)])
     held = HeldRows(tables, [2], {0, 1}, 1 << 20, owner_of=lambda t, ids: (np.asarray(ids) >= 50).astype(np.int16))
@@ -248,7 +251,7 @@ def test_held_rows_know_what_a_restore_left_of_each_row_from_their_write_steps()
 
 
 def test_held_rows_move_whole_rows_exactly_as_numpy_indexing_does():
-    from embeddings.store.held import put_rows
+    from embeddings.store.row_cache import put_rows
 
     rng = np.random.default_rng(2)
     dst = rng.standard_normal((1000, 17)).astype(np.float32)
@@ -269,7 +272,7 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     each row as the layout places it alone: one command per row, or per bucket for the dense run."""
     import hiredis
 
-    from embeddings.net.wire import RowConnection
+    from embeddings.net.wire import RowConnection, row_commands
     from embeddings.store.buckets import BucketLayout
 
     rng = np.random.default_rng(5)
@@ -283,7 +286,7 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     groups.append((b"ns:{0}:5:", np.arange(100, 1100), rng.standard_normal((1000, 17)).astype(np.float32)))
 
     conn = RowConnection(None, 1.0, BucketLayout(spread=3))  # type: ignore[arg-type]
-    commands, replies = conn._row_commands(groups)
+    commands, replies = row_commands(conn.layout, groups)
     got, sent = {}, 0
     for part in commands:
         reader = hiredis.Reader()

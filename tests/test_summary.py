@@ -18,7 +18,7 @@ def test_throughput_after_warmup_counts_only_the_steps_after_it():
 
 def test_the_in_process_store_keeps_the_counters_a_summary_reads():
     store = InProcessStore(TableSet([TableSpec("a", 100, 4), TableSpec("b", 50, 4)]), SGD(lr=0.1))
-    assert store.held is None and store.behind_wait_s == 0.0 and store.reload_s == 0.0
+    assert store.row_cache is None and store.behind_wait_s == 0.0 and store.reload_s == 0.0
     assert (store.reload_kept, store.reload_absent, store.reload_read, store.rows_written) == (0, 0, 0, 0)
     keys = np.concatenate([rowkeys.pack(0, np.array([1, 5, 9])), rowkeys.pack(1, np.array([2, 3]))])
     store.apply_keys(keys, torch.ones((len(keys), 4)), step=1)

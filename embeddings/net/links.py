@@ -1,7 +1,7 @@
 """The store's connections to its shards: pools, row sockets, reconnects and failover, and the
 mapping of every client error to the store's errors (shard and endpoint named).
 
-One ``ShardLinks`` per ``RedisStore`` (``store.links``). Per shard it holds a ``redis`` connection
+One ``ShardLinks`` per ``RedisStore`` (its ``links``). Per shard it holds a ``redis`` connection
 pool and client (control commands), an ``embeddings.net.wire.RowConnection`` (bulk row traffic) and the
 lock that lets one bulk call at a time use that socket. A shard served by another process from now
 on (a restart, a promoted replica, a cluster failover) gets new connections here; ``forget(shard)``
@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -26,6 +27,16 @@ from embeddings.net.wire import RowConnection, WireError
 from embeddings.store.buckets import BucketLayout, fit_listpack
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """What a store's connections are opened with beyond its shard URLs and timeout: extra
+    ``redis.Redis`` keywords (``connection_kwargs``, e.g. ``ssl_ca_certs``) and one replica URL per
+    shard (``replica_urls``; None: no replicas)."""
+
+    connection_kwargs: dict | None = None
+    replica_urls: Sequence[str] | None = None
 
 
 class ShardLinks:

@@ -155,6 +155,134 @@ def split_nils(body: np.ndarray, n: int, stride: int) -> tuple[np.ndarray, np.nd
     return nils, body[keep]
 
 
+# -- the row commands and replies, encoded and decoded (no socket) ------------------------------
+def row_shapes(groups, width_of) -> dict[tuple[int, int], list[int]]:
+    """Indices of the non-empty groups per (prefix length, row width): each shape is encoded as one array."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for i, g in enumerate(groups):
+        if len(g[1]):
+            out.setdefault((len(g[0]), width_of(g)), []).append(i)
+    return out
+
+
+def keyed_records(layout: BucketLayout, verb: bytes, nargs: int, groups, idx: list[int], width: int) -> list:
+    """The parts of ``verb key field ...`` records for the rows of groups ``idx`` (one prefix length)."""
+    plen = len(groups[idx[0]][0])
+    heads = np.stack(
+        [
+            np.frombuffer(
+                b"*%d\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(verb), verb, plen + KEY_ID_BYTES) + groups[i][0],
+                np.uint8,
+            )
+            for i in idx
+        ]
+    )
+    head = heads.view(f"V{heads.shape[1]}").reshape(-1)
+    if len(idx) > 1:
+        head = head[np.repeat(np.arange(len(idx)), [len(groups[i][1]) for i in idx])]
+    ids = np.concatenate([groups[i][1] for i in idx]) if len(idx) > 1 else np.asarray(groups[idx[0]][1])
+    buckets = np.ascontiguousarray(layout.buckets(ids, width), dtype=">u8").view("V8").reshape(-1)
+    return [head, buckets, b"\r\n$%d\r\n" % layout.field_bytes, layout.fields(ids, width), b"\r\n"]
+
+
+def parse_rows(body: bytes, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` HGET replies: rows of ``width`` bytes or nil. -> (rows [n, width] uint8, missing [n])."""
+    head = b"$%d\r\n" % width
+    hl, stride = len(head), len(head) + width + 2
+    arr = np.frombuffer(body, np.uint8)
+    missing = np.zeros(n, bool)
+    if len(body) == n * stride:  # every row present: one reshape
+        block = arr.reshape(n, stride)
+        if _bulk_rows(block, head):
+            return block[:, hl : hl + width].copy(), missing
+    elif len(body) == 5 * n and body == _NIL * n:  # none written
+        return np.zeros((n, width), np.uint8), ~missing
+    else:
+        split = split_nils(arr, n, stride)
+        if split is not None and _bulk_rows(block := split[1].reshape(-1, stride), head):
+            rows = np.zeros((n, width), np.uint8)
+            missing[split[0]] = True
+            rows[~missing] = block[:, hl : hl + width]
+            return rows, missing
+    return walk_rows(body, n, width)
+
+
+def walk_rows(body: bytes, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The replies one by one: exact where numpy could not split them, and names what the server said."""
+    head = b"$%d\r\n" % width
+    hl, stride = len(head), len(head) + width + 2
+    rows, missing = np.zeros((n, width), np.uint8), np.zeros(n, bool)
+    at = 0
+    for i in range(n):
+        if body.startswith(_NIL, at):
+            missing[i] = True
+            at += 5
+        elif body.startswith(head, at) and body[at + stride - 2 : at + stride] == b"\r\n":
+            rows[i] = np.frombuffer(body, np.uint8, width, at + hl)
+            at += stride
+        else:
+            line = body[at : body.find(b"\r\n", at)]
+            if line.startswith(b"-"):
+                raise _error(line[1:].decode(errors="replace"))
+            if line.startswith(b"$") and line[1:].isdigit():
+                raise WireError(f"a stored row holds {int(line[1:])} bytes, expected {width}")
+            raise WireError(f"unexpected reply to a row read: {line[:80]!r}")
+    if at != len(body):
+        raise WireError(f"{len(body) - at} bytes past the replies of a row read")
+    return rows, missing
+
+
+def row_commands(layout: BucketLayout, groups) -> tuple[list[bytes], list]:
+    """The HSET commands of every group (key prefix, ids, rows) and the replies they get. Where a
+    group's rows fall on average ``GROUP_MIN_ROWS`` or more to a bucket, one ``HSET`` per bucket
+    (answered by the number of new fields); else one per row (``:0`` or ``:1``), the groups
+    whose prefixes have one length and whose rows one width encoded together into one array, so
+    that a write of many tables costs a few numpy calls rather than a few per table."""
+    parts: list[bytes] = []
+    replies: list = []
+    sparse = []
+    for i, (prefix, ids, rows) in enumerate(groups):
+        if not len(ids):
+            continue
+        width = 4 * rows.shape[1]
+        span = layout.span(width)
+        # a cheap look first (a training step's rows are sparse): rows per bucket over the ids' range
+        if len(ids) >= 8 * GROUP_MIN_ROWS and len(ids) * span >= GROUP_MIN_ROWS * (abs(int(ids[-1]) - int(ids[0])) + 1):
+            buckets = layout.buckets(ids, width)
+            order = None if not (buckets[1:] < buckets[:-1]).any() else np.argsort(buckets, kind="stable")
+            b = buckets if order is None else buckets[order]
+            starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+            if len(starts) * GROUP_MIN_ROWS <= len(ids):
+                ordered = (ids, rows) if order is None else (ids[order], rows[order])
+                parts += bucket_commands(layout, prefix, *ordered, b, starts, width)
+                replies.append(("ints", len(starts)))
+                continue
+        sparse.append(i)
+    for (_, width), idx in row_shapes([groups[i] for i in sparse], lambda g: 4 * g[2].shape[1]).items():
+        idx = [sparse[i] for i in idx]
+        raw = _raw_rows(groups[idx[0]][2]) if len(idx) == 1 else np.concatenate([_raw_rows(groups[i][2]) for i in idx])
+        n = len(raw)
+        keyed = keyed_records(layout, b"HSET", 4, groups, idx, width)
+        out = _records(n, keyed[:-1] + [b"\r\n$%d\r\n" % width, raw, b"\r\n"])
+        parts.append(out.tobytes())
+        replies.append(("flags", n))
+    return parts, replies
+
+
+def bucket_commands(layout: BucketLayout, prefix, ids, rows, buckets, starts, width) -> list[bytes]:
+    """One ``HSET key field row field row ...`` per bucket (``starts``: each bucket's first row)."""
+    fb = layout.field_bytes
+    fields = layout.fields(ids, width)
+    pairs = _records(len(ids), [b"$%d\r\n" % fb, fields, b"\r\n$%d\r\n" % width, _raw_rows(rows), b"\r\n"])
+    key_head = b"$%d\r\n%s" % (len(prefix) + KEY_ID_BYTES, prefix)
+    ends = np.r_[starts[1:], len(ids)]
+    out = []
+    for lo, hi, b in zip(starts.tolist(), ends.tolist(), buckets[starts].tolist()):
+        head = b"*%d\r\n$4\r\nHSET\r\n" % (2 + 2 * (hi - lo))
+        out.append(head + key_head + b.to_bytes(KEY_ID_BYTES, "big") + b"\r\n" + pairs[lo:hi].tobytes())
+    return out
+
+
 class RowConnection:
     """One socket to one shard, opened lazily through redis-py and dropped on any error."""
 
@@ -261,36 +389,8 @@ class RowConnection:
         a missing row (never written) reads as zeros here."""
         return self._run(lambda: self._get_rows(groups))
 
-    def _shapes(self, groups, width_of) -> dict[tuple[int, int], list[int]]:
-        """Indices of the non-empty groups per (prefix length, row width): each shape is encoded as one array."""
-        out: dict[tuple[int, int], list[int]] = {}
-        for i, g in enumerate(groups):
-            if len(g[1]):
-                out.setdefault((len(g[0]), width_of(g)), []).append(i)
-        return out
-
-    def _keyed(self, verb: bytes, nargs: int, groups, idx: list[int], width: int) -> list:
-        """The parts of ``verb key field ...`` records for the rows of groups ``idx`` (one prefix length)."""
-        plen = len(groups[idx[0]][0])
-        heads = np.stack(
-            [
-                np.frombuffer(
-                    b"*%d\r\n$%d\r\n%s\r\n$%d\r\n" % (nargs, len(verb), verb, plen + KEY_ID_BYTES) + groups[i][0],
-                    np.uint8,
-                )
-                for i in idx
-            ]
-        )
-        head = heads.view(f"V{heads.shape[1]}").reshape(-1)
-        if len(idx) > 1:
-            head = head[np.repeat(np.arange(len(idx)), [len(groups[i][1]) for i in idx])]
-        ids = np.concatenate([groups[i][1] for i in idx]) if len(idx) > 1 else np.asarray(groups[idx[0]][1])
-        layout = self.layout
-        buckets = np.ascontiguousarray(layout.buckets(ids, width), dtype=">u8").view("V8").reshape(-1)
-        return [head, buckets, b"\r\n$%d\r\n" % layout.field_bytes, layout.fields(ids, width), b"\r\n"]
-
     def _get_rows(self, groups):
-        shapes = self._shapes(groups, lambda g: g[2])
+        shapes = row_shapes(groups, lambda g: g[2])
         out = [(np.zeros((len(g[1]), g[2]), np.uint8), np.zeros(len(g[1]), bool)) for g in groups]
         if not shapes:
             return out
@@ -298,7 +398,7 @@ class RowConnection:
         parts, ends, least = [], [], 0
         for j, ((_, width), idx) in enumerate(shapes.items()):
             n = sum(len(groups[i][1]) for i in idx)
-            parts.append(_records(n, self._keyed(b"HGET", 3, groups, idx, width)).tobytes())
+            parts.append(_records(n, keyed_records(self.layout, b"HGET", 3, groups, idx, width)).tobytes())
             mark = token + j.to_bytes(4, "big")
             parts.append(encode_command([b"PING", mark]))
             ends.append(b"$16\r\n" + mark + b"\r\n")
@@ -315,7 +415,7 @@ class RowConnection:
             if stop < 0:
                 raise WireError("a reply to a row read is cut short")
             n = sum(len(groups[i][1]) for i in idx)
-            rows, missing = self._parse_rows(body[at:stop], n, width)
+            rows, missing = parse_rows(body[at:stop], n, width)
             at = stop + len(end)
             lo = 0
             for i in idx:
@@ -323,53 +423,6 @@ class RowConnection:
                 out[i] = (rows[lo : lo + m], missing[lo : lo + m])
                 lo += m
         return out
-
-    @staticmethod
-    def _parse_rows(body: bytes, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` HGET replies: rows of ``width`` bytes or nil. -> (rows [n, width] uint8, missing [n])."""
-        head = b"$%d\r\n" % width
-        hl, stride = len(head), len(head) + width + 2
-        arr = np.frombuffer(body, np.uint8)
-        missing = np.zeros(n, bool)
-        if len(body) == n * stride:  # every row present: one reshape
-            block = arr.reshape(n, stride)
-            if _bulk_rows(block, head):
-                return block[:, hl : hl + width].copy(), missing
-        elif len(body) == 5 * n and body == _NIL * n:  # none written
-            return np.zeros((n, width), np.uint8), ~missing
-        else:
-            split = split_nils(arr, n, stride)
-            if split is not None and _bulk_rows(block := split[1].reshape(-1, stride), head):
-                rows = np.zeros((n, width), np.uint8)
-                missing[split[0]] = True
-                rows[~missing] = block[:, hl : hl + width]
-                return rows, missing
-        return RowConnection._walk(body, n, width)
-
-    @staticmethod
-    def _walk(body: bytes, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The replies one by one: exact where numpy could not split them, and names what the server said."""
-        head = b"$%d\r\n" % width
-        hl, stride = len(head), len(head) + width + 2
-        rows, missing = np.zeros((n, width), np.uint8), np.zeros(n, bool)
-        at = 0
-        for i in range(n):
-            if body.startswith(_NIL, at):
-                missing[i] = True
-                at += 5
-            elif body.startswith(head, at) and body[at + stride - 2 : at + stride] == b"\r\n":
-                rows[i] = np.frombuffer(body, np.uint8, width, at + hl)
-                at += stride
-            else:
-                line = body[at : body.find(b"\r\n", at)]
-                if line.startswith(b"-"):
-                    raise _error(line[1:].decode(errors="replace"))
-                if line.startswith(b"$") and line[1:].isdigit():
-                    raise WireError(f"a stored row holds {int(line[1:])} bytes, expected {width}")
-                raise WireError(f"unexpected reply to a row read: {line[:80]!r}")
-        if at != len(body):
-            raise WireError(f"{len(body) - at} bytes past the replies of a row read")
-        return rows, missing
 
     def set_rows(self, groups: list[tuple[bytes, np.ndarray, np.ndarray]], extra: list[list[bytes]] = ()) -> int:
         """groups: (key prefix, ids [n], rows [n, dim] float32). Returns rows written.
@@ -429,68 +482,13 @@ class RowConnection:
             self._receive(self._send_rows(groups, [], []))
         return sum(len(ids) for _, ids, _ in groups)
 
-    def _row_commands(self, groups) -> tuple[list[bytes], list]:
-        """The HSET commands of every group (key prefix, ids, rows) and the replies they get. Where a
-        group's rows fall on average ``GROUP_MIN_ROWS`` or more to a bucket, one ``HSET`` per bucket
-        (answered by the number of new fields); else one per row (``:0`` or ``:1``), the groups
-        whose prefixes have one length and whose rows one width encoded together into one array, so
-        that a write of many tables costs a few numpy calls rather than a few per table."""
-        parts: list[bytes] = []
-        replies: list = []
-        sparse = []
-        for i, (prefix, ids, rows) in enumerate(groups):
-            if not len(ids):
-                continue
-            width = 4 * rows.shape[1]
-            span = self.layout.span(width)
-            # a cheap look first (a training step's rows are sparse): rows per bucket over the ids' range
-            if len(ids) >= 8 * GROUP_MIN_ROWS and len(ids) * span >= GROUP_MIN_ROWS * (
-                abs(int(ids[-1]) - int(ids[0])) + 1
-            ):
-                buckets = self.layout.buckets(ids, width)
-                order = None if not (buckets[1:] < buckets[:-1]).any() else np.argsort(buckets, kind="stable")
-                b = buckets if order is None else buckets[order]
-                starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-                if len(starts) * GROUP_MIN_ROWS <= len(ids):
-                    ordered = (ids, rows) if order is None else (ids[order], rows[order])
-                    parts += self._bucket_commands(prefix, *ordered, b, starts, width)
-                    replies.append(("ints", len(starts)))
-                    continue
-            sparse.append(i)
-        for (_, width), idx in self._shapes([groups[i] for i in sparse], lambda g: 4 * g[2].shape[1]).items():
-            idx = [sparse[i] for i in idx]
-            raw = (
-                _raw_rows(groups[idx[0]][2])
-                if len(idx) == 1
-                else np.concatenate([_raw_rows(groups[i][2]) for i in idx])
-            )
-            n = len(raw)
-            keyed = self._keyed(b"HSET", 4, groups, idx, width)
-            out = _records(n, keyed[:-1] + [b"\r\n$%d\r\n" % width, raw, b"\r\n"])
-            parts.append(out.tobytes())
-            replies.append(("flags", n))
-        return parts, replies
-
-    def _bucket_commands(self, prefix, ids, rows, buckets, starts, width) -> list[bytes]:
-        """One ``HSET key field row field row ...`` per bucket (``starts``: each bucket's first row)."""
-        fb = self.layout.field_bytes
-        fields = self.layout.fields(ids, width)
-        pairs = _records(len(ids), [b"$%d\r\n" % fb, fields, b"\r\n$%d\r\n" % width, _raw_rows(rows), b"\r\n"])
-        key_head = b"$%d\r\n%s" % (len(prefix) + KEY_ID_BYTES, prefix)
-        ends = np.r_[starts[1:], len(ids)]
-        out = []
-        for lo, hi, b in zip(starts.tolist(), ends.tolist(), buckets[starts].tolist()):
-            head = b"*%d\r\n$4\r\nHSET\r\n" % (2 + 2 * (hi - lo))
-            out.append(head + key_head + b.to_bytes(KEY_ID_BYTES, "big") + b"\r\n" + pairs[lo:hi].tobytes())
-        return out
-
     def _send_rows(self, groups, first, last) -> list:
-        rows, replies = self._row_commands(groups)
+        rows, replies = row_commands(self.layout, groups)
         self._send(b"".join([encode_command(c) for c in first] + rows + [encode_command(c) for c in last]))
         return [("ok", len(first)), *replies, ("ok", len(last))]
 
     def _send_tx(self, groups, extra) -> list:
-        rows, replies = self._row_commands(groups)
+        rows, replies = row_commands(self.layout, groups)
         num_cmds = sum(n for _, n in replies) + len(extra)
         self._send(
             b"*1\r\n$5\r\nMULTI\r\n" + b"".join(rows + [encode_command(c) for c in extra]) + b"*1\r\n$4\r\nEXEC\r\n"

@@ -460,6 +460,24 @@ def remove_stale_folders(parent: str | os.PathLike | None = None) -> list[Path]:
     return removed
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How each local ``redis-server`` is started: its binary (None: found on the PATH or beside
+    the package, ``find_redis_server``), how long it may take to answer, its ``maxmemory``."""
+
+    redis_server: str | None = None
+    startup_timeout_s: float = 10.0
+    maxmemory: str | None = None
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A local server's TLS certificate and key (PEM files): it then serves ``rediss://`` only."""
+
+    cert_file: str
+    key_file: str
+
+
 class LocalShards:
     """``num_shards`` local Redis servers. Use as a context manager.
 
@@ -467,6 +485,8 @@ class LocalShards:
     ...     store = RedisStore(shards.urls, ...)
     ...     shards.kill(1)        # SIGKILL shard 1
     ...     shards.restart(1)     # a fresh, empty server on the same port
+
+    ``server``: how each server is started (``ServerOptions``); ``tls``: serve TLS (``TlsFiles``).
     """
 
     def __init__(
@@ -475,26 +495,22 @@ class LocalShards:
         *,
         host: str = "127.0.0.1",
         password: str | None = None,
-        redis_server: str | None = None,
-        startup_timeout_s: float = 10.0,
-        maxmemory: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
+        server: ServerOptions | None = None,
+        tls: TlsFiles | None = None,
         replicas: bool = False,
         huge_pages: bool = False,
     ) -> None:
         if num_shards <= 0:
             raise ValueError(f"num_shards={num_shards} must be > 0")
+        server = server or ServerOptions()
         self.num_shards = num_shards
         self.host = host
         self.password = password
-        self.binary = find_redis_server(redis_server)
-        self.startup_timeout_s = startup_timeout_s
-        self.maxmemory = maxmemory
-        if (tls_cert_file is None) != (tls_key_file is None):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        self.tls = (tls_cert_file, tls_key_file) if tls_cert_file else None
-        self.tls_files = (tls_cert_file, tls_key_file)
+        self.binary = find_redis_server(server.redis_server)
+        self.startup_timeout_s = server.startup_timeout_s
+        self.maxmemory = server.maxmemory
+        self.tls = (tls.cert_file, tls.key_file) if tls is not None else None
+        self.tls_files = self.tls or (None, None)
         self._root: Path | None = None
         self._shards: list[_Shard] = []
         self.with_replicas = replicas

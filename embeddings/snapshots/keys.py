@@ -1,8 +1,13 @@
 """A shard's keys as a whole: its snapshot taken over the network, a snapshot loaded back over the
-protocol (``embeddings.snapshots.restore_load``), and every key of the namespace deleted. One ``Snapshots``
-per ``RedisStore`` (``store.snapshots``)."""
+protocol (``embeddings.snapshots.restore_load``, which the store front calls), and every key of the
+namespace deleted. One ``Snapshots`` per ``RedisStore``, given the shards' links and key names."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+from embeddings.net.links import ShardLinks
+from embeddings.store.row_space import RowSpace
 
 
 def _chunks(it, n):
@@ -17,9 +22,9 @@ def _chunks(it, n):
 
 
 class Snapshots:
-    def __init__(self, store) -> None:
-        self.store = store
-        self.links = store.links
+    def __init__(self, links: ShardLinks, space: RowSpace, forget: Callable[[int | None], None]) -> None:
+        """``forget(shard)``: the writer's held rows of a shard cleared go (None: every shard's)."""
+        self.links, self.space, self.forget = links, space, forget
 
     def snapshot(self, shard: int, dest, timeout_s: float = 600.0):
         """A ``NetworkSnapshot`` of one shard into ``dest``; ``start()`` it at the snapshot point."""
@@ -31,22 +36,15 @@ class Snapshots:
         links = self.links
         return NetworkSnapshot(links.pools[shard], info, dest, shard, links.endpoints[shard], timeout_s)
 
-    def load(self, shard: int, path) -> int:
-        """This namespace's keys of the RDB file at ``path`` onto one shard, over the protocol (the
-        way ``embeddings.snapshots.restore_load`` takes); -> the bytes sent."""
-        from embeddings.snapshots.restore_load import load_snapshot
-
-        return load_snapshot(self.store, shard, path)
-
     def clear_shard(self, shard: int) -> int:
         """Delete every key of this namespace on one shard; returns how many."""
-        self.store._forget(shard)
+        self.forget(shard)
         return self.links.mapped(shard, lambda: self.unlink(shard))
 
     def clear(self) -> int:
         """Delete every key of this namespace on every shard; returns how many."""
-        self.store._forget()
-        work = {s: (lambda s=s: self.unlink(s)) for s in range(self.store.num_shards)}
+        self.forget(None)
+        work = {s: (lambda s=s: self.unlink(s)) for s in range(len(self.links.clients))}
         return sum(self.links.on_shards(work).values())
 
     def unlink(self, shard: int) -> int:
@@ -57,4 +55,4 @@ class Snapshots:
 
     def match(self, shard: int) -> str:
         """SCAN pattern of a shard's keys (a cluster tag's braces are literal in a pattern)."""
-        return self.store.key_namespace(shard).replace("[", "\\[") + ":*"
+        return self.space.key_namespace(shard).replace("[", "\\[") + ":*"

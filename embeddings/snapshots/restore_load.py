@@ -33,7 +33,7 @@ from embeddings.snapshots.sync_load import load_by_sync
 _REFUSALS = ("ERR unknown command", "NOPERM", "ERR DUMP payload version", "ERR Bad data format")
 
 
-def load_snapshot(store, shard: int, path) -> int:
+def load_snapshot(store, links, shard: int, path) -> int:
     """This namespace's keys of the RDB file at ``path`` onto one shard (existing buckets of the same
     keys are replaced); -> the bytes of the values sent.
 
@@ -41,12 +41,13 @@ def load_snapshot(store, shard: int, path) -> int:
     with no function libraries and no replicas, not TLS, not a cluster node; a file of this
     namespace's keys alone): on 1 GB files its server used 1.6-1.7 s of CPU a GB against 1.8 by
     ``RESTORE``, and this process 0.4 against 1.0 (``first_way`` puts ``RESTORE`` first: the tests
-    of each way, the benchmark's column)."""
-    store._forget(shard)
-    store.writes.fit(shard)
+    of each way, the benchmark's column). ``store``: the store's front; ``links``: its connections
+    (``embeddings.net.links``)."""
+    links.forget(shard)
+    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
+    links.fit_listpack(shard, widths, store.warn)
     ns = store.key_namespace(shard)
     head = f"{ns}:".encode()
-    widths = [4 * store.width(t) for t in range(len(store.tables.specs))]
     seen: set[int] = set()  # tables whose first bucket passed (one file: checked once, whichever way)
 
     def sample(key, kind, payload) -> bool:
@@ -55,10 +56,10 @@ def load_snapshot(store, shard: int, path) -> int:
     endpoint = store.endpoints[shard]
 
     def sync(then: str) -> int | None:
-        return load_by_sync(store, shard, path, head, sample, then)
+        return load_by_sync(store, links, shard, path, head, sample, then)
 
     def restore(then: str) -> int | None:
-        return _by_restore(store, shard, path, head, sample, then)
+        return _by_restore(store, links, shard, path, head, sample, then)
 
     ways = [("the sync", sync, store.sync_refused), ("RESTORE", restore, store.restore_refused)]
     if getattr(store, "first_way", "the sync") == "RESTORE":
@@ -68,7 +69,7 @@ def load_snapshot(store, shard: int, path) -> int:
         sent = way(ways[i + 1][0] if i + 1 < len(ways) else "one HSET per bucket")
         if sent is not None:
             return sent
-    return load_by_hset(store, shard, path)
+    return load_by_hset(store, links, shard, path)
 
 
 @contextlib.contextmanager
@@ -84,7 +85,7 @@ def first_way(store, way: str) -> Iterator[None]:
         store.first_way = before
 
 
-def _by_restore(store, shard: int, path, head: bytes, sample, then: str) -> int | None:
+def _by_restore(store, links, shard: int, path, head: bytes, sample, then: str) -> int | None:
     """-> bytes sent, or None where the server refused the first ``RESTORE`` (noted, one line).
     ``sample(key, type, payload)``: each key's check before it is sent."""
     later: list[tuple[bytes, bytearray]] = []
@@ -99,10 +100,10 @@ def _by_restore(store, shard: int, path, head: bytes, sample, then: str) -> int 
             else:
                 yield key, payload
 
-    wire = store._wires[shard]
+    wire = links.wires[shard]
 
     def run() -> int | None:
-        with store._locks[shard]:
+        with links.locks[shard]:
             items = rows_first()
             first = next(items, None) or (later.pop() if later else None)
             if first is None:
@@ -120,7 +121,7 @@ def _by_restore(store, shard: int, path, head: bytes, sample, then: str) -> int 
                 items.close()  # the file's mapping is let go of, whatever happened
             return sent[0]
 
-    return store.links.mapped(shard, run)
+    return links.mapped(shard, run)
 
 
 def _refuse(store, shard: int, why: str, then: str) -> None:
@@ -147,7 +148,7 @@ def _check(key, kind, payload: Callable[[], bytearray], head, ns, layout, widths
     return kind != 0
 
 
-def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
+def load_by_hset(store, links, shard: int, path, chunk_rows: int = 20_000) -> int:
     """The older path: the file parsed into rows, written with pipelined writes of ``chunk_rows``
     rows (one HSET per bucket), the bookkeeping keys in one transaction; -> bytes written."""
     ns = store.key_namespace(shard)
@@ -158,16 +159,16 @@ def load_by_hset(store, shard: int, path, chunk_rows: int = 20_000) -> int:
     for t, (ids, values) in tables.items():
         rows = np.frombuffer(values, "<f4").reshape(len(ids), store.width(t))
         for lo in range(0, len(ids), chunk_rows):
-            store.writes.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
+            store.write_shard(shard, [(t, ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])], step=None)
         written += ids.nbytes + rows.nbytes
     if other:  # bookkeeping strings (and any other hash of the namespace, field by field)
         cmds = [[b"SET", k, v] if isinstance(v, bytes) else [b"HSET", k, *(x for p in v for x in p)] for k, v in other]
         cmds = [c for c in cmds if len(c) > 2]
 
         def run():
-            with store._locks[shard]:
-                return store._wires[shard].send_commands(cmds)
+            with links.locks[shard]:
+                return links.wires[shard].send_commands(cmds)
 
-        store.links.mapped(shard, run)
+        links.mapped(shard, run)
         written += sum(sum(len(x) for x in c[1:]) for c in cmds)
     return written

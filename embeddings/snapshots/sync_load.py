@@ -73,7 +73,7 @@ def unsuitable(store, shard: int) -> str | None:
     return None
 
 
-def load_by_sync(store, shard: int, path, prefix: bytes, sample, then: str = "RESTORE") -> int | None:
+def load_by_sync(store, links, shard: int, path, prefix: bytes, sample, then: str = "RESTORE") -> int | None:
     """The RDB file at ``path`` onto the shard's empty server by one full synchronization; ->
     the bytes of the values loaded, or None where the sync does not apply (the keys then go by
     ``then``, said in the line of a refusal). ``sample(key, type, payload)`` checks each key as the
@@ -83,12 +83,12 @@ def load_by_sync(store, shard: int, path, prefix: bytes, sample, then: str = "RE
     endpoint = store.endpoints[shard]
     if endpoint in store.sync_refused or unsuitable(store, shard):
         return None
-    db = int(store._pools[shard].connection_kwargs.get("db", 0) or 0)
+    db = int(links.pools[shard].connection_kwargs.get("db", 0) or 0)
     try:
         with mapped(path) as r:  # one mapping for both checks
             check_mapped(r)  # the whole file against its CRC-64 first: a damaged one never starts a sync
-            with store._locks[shard]:
-                contents = _sync(store, shard, path, r.buf, lambda gate: _scan(r, prefix, sample, db, gate))
+            with links.locks[shard]:
+                contents = _sync(store, links, shard, path, r.buf, lambda gate: _scan(r, prefix, sample, db, gate))
     except SyncRefused as e:
         store.sync_refused[endpoint] = str(e)
         store.warn(
@@ -142,8 +142,8 @@ class _Gate:
             return -1 if self.shut else self.limit
 
 
-def _sync(store, shard: int, path, data, scan):
-    client_kwargs = store._pools[shard].connection_kwargs
+def _sync(store, links, shard: int, path, data, scan):
+    client_kwargs = links.pools[shard].connection_kwargs
     host, port = client_kwargs.get("host", "localhost"), int(client_kwargs.get("port", 6379))
     server_ip = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     with socket.create_connection((server_ip, port), timeout=store.timeout_s) as probe:

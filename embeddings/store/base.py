@@ -21,7 +21,7 @@ from embeddings.rowinit import init_rows
 from embeddings.tables import TableSet
 
 if TYPE_CHECKING:
-    from embeddings.store.held import HeldRows
+    from embeddings.store.row_cache import HeldRows
 
 # table index -> [n] int64 ids
 IdsByTable = dict[int, np.ndarray]
@@ -58,7 +58,7 @@ class StoreCounters(Protocol):
     """What a store counts of its own work, for a run's summary (every store keeps these; a store
     without held rows, write-behind or restores reports None and zeros)."""
 
-    held: HeldRows | None  # rows the store's writer keeps in memory; None: none
+    row_cache: HeldRows | None  # rows the store's writer keeps in memory; None: none
     behind_wait_s: float  # the caller waiting at the commit point of a write-behind
     rows_written: int  # rows the training steps' writes put on the store (``apply_keys``)
     # after a shard was restored: reading held rows back (seconds), and the held rows that were
@@ -237,7 +237,7 @@ class InProcessStore(StoreBase):
         super().__init__(tables, optimizer, seed)
         self._rows: list[dict[int, np.ndarray]] = [{} for _ in tables]
         self.applied_step: int | None = None
-        self.held: HeldRows | None = None
+        self.row_cache: HeldRows | None = None
         self.behind_wait_s = 0.0
         self.rows_written = 0
         self.reload_s = 0.0

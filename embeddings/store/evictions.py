@@ -1,24 +1,26 @@
 """The eviction and policy checks of a store's servers: at connect and at commit points, never
-per step. One ``EvictionWatch`` per ``RedisStore`` (``store.evictions``)."""
+per step. One ``EvictionWatch`` per ``RedisStore``, given the shards' links and key names."""
 
 from __future__ import annotations
 
 from embeddings.errors import EndpointError, ShardDataError, ShardEvictedError, ShardUnavailableError, StoreAuthError
 from embeddings.net.endpoints import POLICY_FIX, policy_problem, server_state
+from embeddings.net.links import ShardLinks
+from embeddings.store.row_space import RowSpace
 
 
 class EvictionWatch:
-    def __init__(self, store) -> None:
-        self.store = store
+    def __init__(self, links: ShardLinks, space: RowSpace) -> None:
+        self.links, self.space = links, space
         self.noted: dict[int, tuple[str, int | None]] = {}  # shard -> (server run_id, evicted_keys) noted
 
     def watch(self) -> None:
         """At connect: refuse a shard whose ``maxmemory-policy`` can evict the run's rows (``EndpointError``:
         shard, endpoint, policy, fix) and note each shard's ``evicted_keys``, the baseline
         ``check`` compares with. A shard that does not answer now is noted when it does."""
-        for s in range(self.store.num_shards):
+        for s in range(len(self.links.clients)):
             try:
-                self._note_server(s, self.store.call(s, server_state))
+                self._note_server(s, self.links.call(s, server_state))
             except ShardUnavailableError:
                 continue  # dead now: the recovery protocol meets it at its first call
 
@@ -38,9 +40,9 @@ class EvictionWatch:
         restart by its supervisor, a promoted replica: another ``run_id``) gets a new baseline, its
         policy checked as at connect. A dead shard raises ``ShardUnavailableError``: call it under
         the protocol."""
-        st = self.store
-        for s in range(st.num_shards):
-            state = st.call(s, server_state)
+        links = self.links
+        for s in range(len(links.clients)):
+            state = links.call(s, server_state)
             base = self.noted.get(s)
             if base is None or base[0] != state["run_id"] or base[1] is None:
                 self._note_server(s, state)
@@ -50,24 +52,24 @@ class EvictionWatch:
             if evicted is not None and evicted > base[1] and not policy.startswith("volatile-"):
                 if resume:
                     try:  # a shard with no applied marker is empty to a resume: it restores it first
-                        st.call(s, lambda c, s=s: c.unlink(st.meta_key("applied", s)))
+                        links.call(s, lambda c, s=s: c.unlink(self.space.meta_key("applied", s)))
                         then += ", which restores the shard first"
                     except (ShardUnavailableError, StoreAuthError, ShardDataError) as e:
                         then = f"then run it again (the shard's marker could not be dropped for a resume: {e})"
                 raise ShardEvictedError(
                     s,
-                    st.endpoints[s],
+                    links.endpoints[s],
                     f"the server evicted {evicted - base[1]} keys during the run (maxmemory-policy {policy}): "
                     f"rows of the run are lost there and would read back as never written; run `{POLICY_FIX}` "
                     f"on it, {then}",
                 )
             problem = policy_problem(policy)
             if problem:
-                raise ShardEvictedError(s, st.endpoints[s], f"set during the run: {problem}; {then}")
+                raise ShardEvictedError(s, links.endpoints[s], f"set during the run: {problem}; {then}")
             self.noted[s] = (base[0], evicted)  # keys with a TTL (volatile-*), another tenant's: not ours
 
     def _note_server(self, shard: int, state: dict) -> None:
         problem = policy_problem(state["maxmemory_policy"])
         if problem:
-            raise EndpointError(f"shard {shard} at {self.store.endpoints[shard]}: {problem}")
+            raise EndpointError(f"shard {shard} at {self.links.endpoints[shard]}: {problem}")
         self.noted[shard] = (state["run_id"], state["evicted_keys"])

@@ -1,37 +1,61 @@
 """The store's row reads: rows of shards away (``--train-through``) from their outage's rows, rows
 this trainer holds by one gather, rows known never written by the lazy init, and the rest read
-from their shards in parallel (one thread per shard). One ``RowReads`` per ``RedisStore``
-(``store.reads``)."""
+from their shards in parallel (one thread per shard). One ``RowReads`` per ``RedisStore``, given the
+shards' links, key names, shard map, row cache and the write path's per-shard gate; the rows of
+shards away are an outage's (``attach_outage``), which recovery owns."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from embeddings import rowkeys
+from embeddings.net.links import ShardLinks
 from embeddings.optim import initial_state
 from embeddings.rowinit import init_rows_keys
-from embeddings.store.base import IdsByTable, StoreBase
+from embeddings.shard_map import ShardMap
+from embeddings.store.base import IdsByTable
+from embeddings.store.outage import OutageRows
+from embeddings.store.row_cache import RowCache
+from embeddings.store.row_space import RowSpace
 
 
 class RowReads:
-    def __init__(self, store) -> None:
-        self.store = store
-        self.links = store.links
+    def __init__(
+        self,
+        links: ShardLinks,
+        space: RowSpace,
+        shard_map: ShardMap,
+        cache: RowCache,
+        bulk: Callable[[int], AbstractContextManager],
+        read_filled: Callable[[np.ndarray], np.ndarray],
+    ) -> None:
+        """``bulk(shard)``: the write path's gate around a row call on a shard (``RowWrites.bulk``);
+        ``read_filled(keys)``: rows of packed keys read from their shards, never-written ones filled
+        by the lazy init (``StoreBase.read_keys``)."""
+        self.links, self.space, self.shard_map, self.cache = links, space, shard_map, cache
+        self.bulk, self.read_filled = bulk, read_filled
+        self.outage: OutageRows | None = None  # the shards away, while recovery restores them (``attach_outage``)
         self._last_held_read: tuple[int, np.ndarray, np.ndarray] | None = None  # (held version, keys, rows)
         self._from_redis = 0  # > 0: reads skip held rows (evaluation, digest: what the tier holds)
-        self._scales = np.array([spec.scale for spec in store.tables], np.float32)  # lazy init per table
+        self._scales = np.array([spec.scale for spec in space.tables], np.float32)  # lazy init per table
+
+    def attach_outage(self, outage: OutageRows | None) -> None:
+        """Reads of the shards ``outage`` has away are answered by it from now on (None: none)."""
+        self.outage = outage
 
     def fetch(self, requests: IdsByTable):
         """``StoreBase._fetch``: table -> (rows, missing) of the requested ids; rows of held shards
         read from their shards are held from now on."""
-        st = self.store
-        held = st.held if not self._from_redis else None
+        sp, cached = self.space, self.cache.held
+        held = cached if not self._from_redis else None
         out = {}
-        generation = st.held.generation if st.held is not None else 0
+        generation = cached.generation if cached is not None else 0
         for t, ids in requests.items():
-            out[t] = (np.empty((len(ids), st.width(t)), np.float32), np.zeros(len(ids), bool))
+            out[t] = (np.empty((len(ids), sp.width(t)), np.float32), np.zeros(len(ids), bool))
         # shard -> list of (table, positions into the request's ids); rows this trainer holds are not read
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, ids in requests.items():
@@ -46,15 +70,15 @@ class RowReads:
                 idx = np.flatnonzero(rest)
             if idx is not None and not len(idx):
                 continue  # every row held (or known never written): nothing to read
-            for s, pos in enumerate(st.shard_map.split(t, ids if idx is None else ids[idx])):
+            for s, pos in enumerate(self.shard_map.split(t, ids if idx is None else ids[idx])):
                 if len(pos):
                     plan.setdefault(s, []).append((t, pos if idx is None else idx[pos]))
 
         def pull_from(s: int, groups: list[tuple[int, np.ndarray]]):
-            args = [(st.prefix(t, s), requests[t][pos], 4 * st.width(t)) for t, pos in groups]
+            args = [(sp.prefix(t, s), requests[t][pos], 4 * sp.width(t)) for t, pos in groups]
 
             def run():
-                with st.writes.bulk(s):
+                with self.bulk(s):
                     return self.links.wires[s].get_rows(args)
 
             return run
@@ -62,7 +86,7 @@ class RowReads:
         replies = self.links.on_shards({s: pull_from(s, g) for s, g in plan.items()})
         for s, groups in plan.items():
             for (t, pos), (rows, missing) in zip(groups, replies[s]):
-                out[t][0][pos] = rows.view("<f4").reshape(len(pos), st.width(t))
+                out[t][0][pos] = rows.view("<f4").reshape(len(pos), sp.width(t))
                 out[t][1][pos] = missing
                 if held is not None and s in held.shards:
                     if missing.any():
@@ -75,20 +99,20 @@ class RowReads:
     def read_keys(self, keys: np.ndarray) -> np.ndarray:
         """Rows of sorted packed keys: rows of shards away from their outage's rows, held rows by one
         gather, never-written rows by the lazy init, the rest read from their shards."""
-        outage = self.store.outage
+        outage = self.outage
         away = outage.split(keys) if outage is not None else None  # never read from their servers
         if away is None:
             return self._read_present(keys)
-        out = np.empty((len(keys), self.store.width(int(keys[0] >> rowkeys.ROW_BITS))), np.float32)
+        out = np.empty((len(keys), self.space.width(int(keys[0] >> rowkeys.ROW_BITS))), np.float32)
         out[away] = outage.read(keys[away])
         if not away.all():
             out[~away] = self._read_present(keys[~away])
         return out
 
     def _read_present(self, keys: np.ndarray) -> np.ndarray:
-        st, held = self.store, self.store.held
+        sp, held = self.space, self.cache.held
         if held is None or self._from_redis or not len(keys):
-            return StoreBase.read_keys(st, keys)
+            return self.read_filled(keys)
         last = self._last_held_read
         if last is not None and last[0] == held.version and (last[1] is keys or np.array_equal(last[1], keys)):
             return last[2]  # a step's update reads the rows its stage read, unchanged since: no second gather
@@ -102,31 +126,21 @@ class RowReads:
         if len(pos) == len(keys):  # every row held (the usual step): the gather is the answer
             self._last_held_read = (version, keys, rows)
             return rows
-        out = np.empty((len(keys), st.width(t0)), np.float32)
+        out = np.empty((len(keys), sp.width(t0)), np.float32)
         out[pos] = rows
         if len(absent):
-            dim = st.tables.specs[t0].dim
-            out[absent, :dim] = init_rows_keys(st.seed, keys[absent], dim, self._scales)
-            out[absent, dim:] = initial_state(st.optimizer)
+            dim = sp.tables.specs[t0].dim
+            out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
+            out[absent, dim:] = initial_state(sp.optimizer)
         if len(pos) + len(absent) < len(keys):
             rest = np.ones(len(keys), bool)
             rest[pos] = False
             rest[absent] = False
             idx = np.flatnonzero(rest)
-            out[idx] = StoreBase.read_keys(st, keys[idx])
+            out[idx] = self.read_filled(keys[idx])
         else:  # every row held or known never written: current until the held rows change
             self._last_held_read = (version, keys, out)
         return out
-
-    def initial_rows(self, keys: np.ndarray) -> np.ndarray:
-        """The initial rows [n, width] of packed keys of tables of one row width (lazy-init weights,
-        the optimizer's initial state)."""
-        st = self.store
-        t = int(keys[0] >> rowkeys.ROW_BITS) if len(keys) else 0
-        dim = st.tables.specs[t].dim
-        rows = np.full((len(keys), st.width(t)), initial_state(st.optimizer), np.float32)
-        rows[:, :dim] = init_rows_keys(st.seed, keys, dim, self._scales)
-        return rows
 
     @contextlib.contextmanager
     def from_redis(self):

@@ -26,44 +26,55 @@ import numpy as np
 import redis
 
 from embeddings.errors import ShardUnavailableError
-from embeddings.net.links import ShardLinks
+from embeddings.net.links import ConnectionOptions, ShardLinks
 from embeddings.optim import RowOptimizer
 from embeddings.shard_map import ShardMap
 from embeddings.snapshots.keys import Snapshots
 from embeddings.store.base import IdsByTable, StoreBase
 from embeddings.store.buckets import BucketLayout
+from embeddings.store.cache_front import CacheFront
 from embeddings.store.evictions import EvictionWatch
-from embeddings.store.held import HeldRows
-from embeddings.store.holding import Holding
 from embeddings.store.markers import Markers, decode_groups, encode_groups
-from embeddings.store.outage import OutageRows
 from embeddings.store.reads import RowReads
+from embeddings.store.row_cache import RowCache
+from embeddings.store.row_space import RowSpace
+from embeddings.store.shard_upkeep import ShardUpkeep
 from embeddings.store.writes import RowWrites
 from embeddings.tables import TableSet
 
-__all__ = ["RedisStore", "decode_groups", "encode_groups"]  # the undo record codec, as before the split
+__all__ = [
+    "ConnectionOptions",
+    "RedisStore",
+    "decode_groups",
+    "encode_groups",
+]  # the undo record codec, as before the split
 
 T = TypeVar("T")
 
 
-class RedisStore(StoreBase):
+class RedisStore(CacheFront, ShardUpkeep, StoreBase):
     """Rows of every table, sharded over Redis endpoints by a ``ShardMap``.
 
     ``urls`` are ``redis://`` or ``rediss://`` (TLS) URLs, optionally with ``user:password@``.
     Every call is bounded by ``timeout_s``; a shard that is dead or does not answer in time raises
     ``ShardUnavailableError`` (or its subclass ``ShardTimeoutError``) naming shard and endpoint.
-    ``connection_kwargs`` pass through to ``redis.Redis`` (e.g. ``ssl_ca_certs``).
+    ``connect`` (``ConnectionOptions``): ``connection_kwargs`` pass through to ``redis.Redis`` (e.g.
+    ``ssl_ca_certs``); ``replica_urls``, one per shard, its replica.
 
-    The store is in parts, one job each, which this class puts together behind the interface the
-    trainer and recovery use:
+    The store is in parts, one job each, each given what it works on (never the store); this class
+    puts them together behind the interface the trainer and recovery use, and owns them:
     - ``links`` (``embeddings.net.links``): connections, reconnects, failover, the error mapping;
-    - ``reads`` (``embeddings.store.reads``): the row reads;
+    - ``space`` (``embeddings.store.row_space``): key names, row widths, the lazy init;
+    - ``cache`` (``embeddings.store.row_cache.RowCache``): the rows this trainer holds, and what a
+      restore leaves of them (front: ``embeddings.store.cache_front``);
+    - ``reads`` (``embeddings.store.reads``): the row reads (the rows of shards away from the outage
+      recovery attaches, ``attach_outage``);
     - ``writes`` (``embeddings.store.writes``): a step's write, write-behind, rows laid by a restore;
-    - ``held`` (``embeddings.store.held``) and ``holding`` (``embeddings.store.holding``): the rows this trainer
-      holds, and what a restore leaves of them;
     - ``markers`` (``embeddings.store.markers``): applied markers, undo records, rollback;
-    - ``snapshots`` (``embeddings.snapshots.keys``): a shard's keys as a whole (snapshot, load, clear);
+    - ``snapshots`` (``embeddings.snapshots.keys``): a shard's keys as a whole (snapshot, clear);
     - ``evictions`` (``embeddings.store.evictions``): the eviction and policy checks.
+    Per-shard upkeep for recovery (markers, snapshots, restores, reconnects) is
+    ``embeddings.store.shard_upkeep``.
     """
 
     def __init__(
@@ -76,8 +87,7 @@ class RedisStore(StoreBase):
         seed: int = 0,
         placement: str = "row",
         timeout_s: float = 5.0,
-        connection_kwargs: dict | None = None,
-        replica_urls: Sequence[str] | None = None,
+        connect: ConnectionOptions | None = None,
     ) -> None:
         super().__init__(tables, optimizer, seed)
         if not urls:
@@ -93,15 +103,18 @@ class RedisStore(StoreBase):
         self.layout = BucketLayout(spread=len(urls) if placement == "row" else 1)
         self.restore_refused: dict[str, str] = {}  # endpoint -> why it refused RESTORE (load_snapshot)
         self.sync_refused: dict[str, str] = {}  # endpoint -> why it did not load a snapshot as a sync
-        # a benchmark's ceiling (``RECSYS_ROWS_NOWHERE=1``, bench_throughput's limit row): the row
-        # writes are built and never sent, so the rows live in this process's held rows alone
-        self.rows_nowhere = False
         self.warn: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
-        self.held: HeldRows | None = None
-        # the rows of shards that are away (restored in the background under --train-through):
-        # reads of their rows are answered here, never by their servers (``embeddings.store.outage``)
-        self.outage: OutageRows | None = None
-        self.links = ShardLinks(urls, namespace, self.layout, timeout_s, connection_kwargs, replica_urls, self._forget)
+        # a shard served by another process from now on: the writer's held rows of it go (``cache``)
+        connect = connect or ConnectionOptions()
+        self.links = ShardLinks(
+            urls,
+            namespace,
+            self.layout,
+            timeout_s,
+            connect.connection_kwargs,
+            connect.replica_urls,
+            lambda s: self.cache.forget(s),
+        )
         links = self.links  # the lists below are the links' own (a failover changes them in place)
         self.cluster, self.urls, self.endpoints, self.replica_urls = (
             links.cluster,
@@ -109,35 +122,35 @@ class RedisStore(StoreBase):
             links.endpoints,
             links.replica_urls,
         )
-        self._pools, self._clients, self._wires, self._locks = links.pools, links.clients, links.wires, links.locks
-        self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
-        self.rows_written = 0  # rows the training steps' writes put on their shards
-        self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
-        self.reload_kept = self.reload_absent = self.reload_read = (
-            0  # rows of restored shards: held again, absent, read
+        self.space = RowSpace(namespace, links.tags, tables, optimizer, seed)
+        self.cache = RowCache(self.space, self.shard_map, len(urls))
+        self.writes = RowWrites(links, self.space, self.shard_map, self.cache, lambda line: self.warn(line))
+        self.reads = RowReads(
+            links,
+            self.space,
+            self.shard_map,
+            self.cache,
+            self.writes.bulk,
+            lambda keys: StoreBase.read_keys(self, keys),
         )
-        self.reads = RowReads(self)
-        self.writes = RowWrites(self)
-        self.holding = Holding(self)
-        self.markers = Markers(self)
-        self.snapshots = Snapshots(self)
-        self.evictions = EvictionWatch(self)
+        self.markers = Markers(links, self.space, self.cache.forget, self.writes.fit)
+        self.snapshots = Snapshots(links, self.space, self.cache.forget)
+        self.evictions = EvictionWatch(links, self.space)
 
     @property
     def num_shards(self) -> int:
-        return len(self._clients)
+        return len(self.links.clients)
 
     def key_namespace(self, shard: int) -> str:
         """What a shard's keys start with: the namespace, or on a cluster its hash tag ``{ns.S.J}``."""
-        tags = self.links.tags
-        return self.namespace if tags is None else "{" + tags[shard] + "}"
+        return self.space.key_namespace(shard)
 
     def prefix(self, table_index: int, shard: int) -> bytes:
-        return f"{self.key_namespace(shard)}:{table_index}:".encode()
+        return self.space.prefix(table_index, shard)
 
     def meta_key(self, name: str, shard: int) -> bytes:
         """A per-shard bookkeeping key of this namespace (not a row: rows have 8 binary id bytes)."""
-        return f"{self.key_namespace(shard)}:meta:{name}".encode()
+        return self.space.meta_key(name, shard)
 
     def key(self, table_index: int, row: int) -> bytes:
         """The Redis key of one row: its bucket (a hash; the row is its field ``location(...)[1]``)."""
@@ -163,9 +176,14 @@ class RedisStore(StoreBase):
         return self.reads.read_keys(keys)
 
     def _store_keys(self, keys, rows, step=None, undo=None) -> None:
-        failed = self.writes.write_step(keys, rows, self.shard_map.shard_of_keys(keys), step, undo)
+        failed = self.write_step(keys, rows, self.shard_map.shard_of_keys(keys), step, undo)
         if failed:
             raise next(iter(failed.values()))
+
+    def write_step(self, keys, rows, shards, step: int | None = None, undo=None) -> dict[int, ShardUnavailableError]:
+        """A training step's rows written now, on every shard at once (``RowWrites.write_step``).
+        -> the shards that failed, with their error; the others are written (and held)."""
+        return self.writes.write_step(keys, rows, shards, step, undo)
 
     def write_behind(self, keys, rows, shards, step: int, undo, before=None, window: bool = False, after=None) -> None:
         """See ``RowWrites.write_behind``; ``join_behind`` is its commit point."""
@@ -179,16 +197,6 @@ class RedisStore(StoreBase):
         """Reads inside go to the shards even for held rows (``RowReads.from_redis``)."""
         return self.reads.from_redis()
 
-    def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
-        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
-        return self.holding.hold_rows(shards, budget_bytes)
-
-    def _forget(self, shard: int | None = None) -> None:
-        """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
-        (None: every shard's)."""
-        if self.held is not None:
-            self.held.restores.clear(shard)
-
     # -- per shard ------------------------------------------------------------------------------
     def call(self, shard: int, fn: Callable[[redis.Redis], T]) -> T:
         """Run ``fn(client)`` on one shard with the store's error mapping."""
@@ -200,34 +208,12 @@ class RedisStore(StoreBase):
     def ping(self) -> list[bool]:
         """Per shard: True when it answers PING within the timeout."""
         out = []
-        for s, c in enumerate(self._clients):
+        for s, c in enumerate(self.links.clients):
             try:
                 out.append(bool(self.links.mapped(s, c.ping)))
             except ShardUnavailableError:
                 out.append(False)
         return out
-
-    def applied_step(self, shard: int) -> int | None:
-        """The last step whose update this shard applied (None: never)."""
-        return self.markers.applied_step(shard)
-
-    def applied_steps(self) -> list[int | None]:
-        """Per shard: the last step whose update it applied (None: never)."""
-        return self.markers.applied_steps()
-
-    def rollback(self, shard: int, to_step: int) -> int:
-        """Back to ``to_step`` (``Markers.rollback``). Returns rows restored."""
-        return self.markers.rollback(shard, to_step)
-
-    def load_snapshot(self, shard: int, path) -> int:
-        """This namespace's keys of the RDB file at ``path`` onto one shard, over the protocol: one
-        full synchronization, one ``RESTORE`` per key, else (a server that refuses both, said in one
-        line) one HSET per bucket (``embeddings.snapshots.restore_load``); -> the bytes sent."""
-        return self.snapshots.load(shard, path)
-
-    def check_evictions(self, resume: str | None = None, why_not: str = "") -> None:
-        """At a commit point: a server that evicted rows of the run stops it (``EvictionWatch.check``)."""
-        self.evictions.check(resume, why_not)
 
     # -- maintenance ---------------------------------------------------------------------
     def clear(self) -> int:

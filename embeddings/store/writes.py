@@ -1,6 +1,8 @@
 """The store's row writes: a training step's write (undo record, rows, applied marker, on every
 shard at once), the write-behind thread that overlaps it with the next step, plain row writes, and
-the rows a restore lays on a shard. One ``RowWrites`` per ``RedisStore`` (``store.writes``).
+the rows a restore lays on a shard. One ``RowWrites`` per ``RedisStore``, given the shards' links,
+key names, shard map and row cache; it counts what it wrote (``rows_written``) and what the
+training path waited for it (``behind_wait_s``).
 
 Every row call on a shard's socket goes through ``bulk``: one call at a time per shard, a call
 queued behind a timed-out one fails at once, and a read or write from any thread but the
@@ -21,26 +23,42 @@ import redis
 
 from embeddings import rowkeys
 from embeddings.errors import ShardTimeoutError, ShardUnavailableError
-from embeddings.store.markers import encode_groups
+from embeddings.net.links import ShardLinks
+from embeddings.net.wire import row_commands
+from embeddings.shard_map import ShardMap
+from embeddings.store.markers import encode_groups, read_marker
+from embeddings.store.row_cache import RowCache
+from embeddings.store.row_space import RowSpace
 
 BEHIND = "write-behind"  # the write-behind thread's name
 
 
 class RowWrites:
-    def __init__(self, store) -> None:
-        self.store = store
-        self.links = store.links
+    def __init__(
+        self,
+        links: ShardLinks,
+        space: RowSpace,
+        shard_map: ShardMap,
+        cache: RowCache,
+        warn: Callable[[str], None],
+    ) -> None:
+        """``cache``: the row cache, whose held rows take what is written; ``warn``: one line (a
+        server that refuses its listpack limits)."""
+        self.links, self.space, self.shard_map, self.cache, self.warn = links, space, shard_map, cache, warn
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=BEHIND)
         self.future: Future | None = None  # write_behind in flight (its commit point: join_behind)
+        self.behind_wait_s = 0.0  # the training path waiting at the commit point of a write-behind
+        self.rows_written = 0  # rows the training steps' writes put on their shards
+        # a benchmark's ceiling (``RECSYS_ROWS_NOWHERE=1``, bench_throughput's limit row): the row
+        # writes are built and never sent, so the rows live in this process's held rows alone
+        self.rows_nowhere = False
 
     def fit(self, shard: int) -> None:
         """The shard's listpack limits raised before its first row write (``ShardLinks.fit_listpack``);
         on every write after it, one list look-up."""
         if self.links.listpack_ok[shard]:
             return
-        st = self.store
-        widths = [4 * st.width(t) for t in range(len(st.tables.specs))]
-        self.links.fit_listpack(shard, widths, st.warn)
+        self.links.fit_listpack(shard, self.space.row_bytes(), self.warn)
 
     @contextlib.contextmanager
     def bulk(self, shard: int):
@@ -68,23 +86,24 @@ class RowWrites:
     def plain(self, requests) -> None:
         """Rows with no step (``write_rows``, ``update_many``): table -> (ids, rows), on every shard
         at once; rows of held shards are held as written."""
-        st = self.store
+        sp, cache = self.space, self.cache
         plan: dict[int, list[tuple[int, np.ndarray]]] = {}
         for t, (ids, _) in requests.items():
-            for s, pos in enumerate(st.shard_map.split(t, ids)):
+            for s, pos in enumerate(self.shard_map.split(t, ids)):
                 if len(pos):
                     plan.setdefault(s, []).append((t, pos))
 
         def push_to(s: int, groups):
-            args = [(st.prefix(t, s), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
+            args = [(sp.prefix(t, s), requests[t][0][pos], requests[t][1][pos]) for t, pos in groups]
 
             def run():
                 with self.bulk(s):
                     self.fit(s)
                     n = self.links.wires[s].set_rows(args)
-                if st.held is not None and s in st.held.shards:  # written: now held as written
+                held = cache.held
+                if held is not None and s in held.shards:  # written: now held as written
                     for t, pos in groups:
-                        st.held.put(t, requests[t][0][pos], requests[t][1][pos])
+                        held.put(t, requests[t][0][pos], requests[t][1][pos])
                 return n
 
             return run
@@ -144,9 +163,9 @@ class RowWrites:
     ) -> None:
         """Rows handed to a write-behind are held at once: the next step reads them from here.
         ``pin``: an open window's, not on their shards until it is written (``HeldRows.unpin``)."""
-        held = self.store.held
+        held = self.cache.held
         if held is not None:
-            if len(held.shards) < self.store.num_shards:
+            if len(held.shards) < len(self.links.clients):
                 mine = np.isin(shards, list(held.shards))
                 held.put_keys(keys[mine], rows[mine], step, pin)
             else:  # one writer of every shard: no mask, no copy
@@ -161,7 +180,7 @@ class RowWrites:
         try:
             return f.result()
         finally:
-            self.store.behind_wait_s += time.perf_counter() - t0
+            self.behind_wait_s += time.perf_counter() - t0
 
     def _write_io(
         self,
@@ -181,7 +200,7 @@ class RowWrites:
         row). Every shard's commands are sent from this thread before any reply is read, so the
         servers apply them in parallel. -> the shards that failed, with their error;
         the others are written (and held)."""
-        st, links = self.store, self.links
+        sp, links, cache = self.space, self.links, self.cache
         failed: dict[int, ShardUnavailableError] = {}
         sent = []
         with contextlib.ExitStack() as locks:
@@ -190,7 +209,7 @@ class RowWrites:
                 at = slice(None) if mine.all() else np.flatnonzero(mine)
                 k, r = keys[at], rows[at]
                 groups = rowkeys.table_groups(k)
-                args = [(st.prefix(t, s), ids, r[lo:hi]) for t, (ids, lo, hi) in groups.items()]
+                args = [(sp.prefix(t, s), ids, r[lo:hi]) for t, (ids, lo, hi) in groups.items()]
                 first, last = [], []  # undo record before the rows, applied marker after them
                 try:
                     links.mapped(s, lambda s=s: locks.enter_context(self.bulk(s)))
@@ -198,13 +217,13 @@ class RowWrites:
                     if step is not None:
                         if undo is not None:
                             # a window's undo record covers the steps since the shard's last write
-                            since = links.mapped(s, lambda s=s: st.markers.marker(s)) + 1 if window else step
+                            since = links.mapped(s, lambda s=s: read_marker(links, sp, s)) + 1 if window else step
                             u = undo[at]
                             blob = encode_groups(since, [(t, ids, u[lo:hi]) for t, (ids, lo, hi) in groups.items()])
-                            first.append([b"SET", st.meta_key("undo", s), blob])
-                        last.append([b"SET", st.meta_key("applied", s), b"%d" % step])
-                    if st.rows_nowhere:  # the benchmark's ceiling: the commands built, never sent
-                        reply = links.wires[s]._row_commands(args)
+                            first.append([b"SET", sp.meta_key("undo", s), blob])
+                        last.append([b"SET", sp.meta_key("applied", s), b"%d" % step])
+                    if self.rows_nowhere:  # the benchmark's ceiling: the commands built, never sent
+                        reply = row_commands(links.wires[s].layout, args)
                     else:
                         reply = links.mapped(
                             s, lambda s=s, a=args, f=first, la=last: links.wires[s].send_rows(a, f, la)
@@ -215,22 +234,22 @@ class RowWrites:
                 sent.append((s, k, r, reply))
             for s, k, r, reply in sent:
                 try:
-                    if not st.rows_nowhere:
+                    if not self.rows_nowhere:
                         links.mapped(s, lambda s=s, reply=reply: links.wires[s].finish(reply))
                 except ShardUnavailableError as e:
                     failed[s] = self._timed(s, e)
                     continue
-                st.rows_written += len(k)
-                if hold and st.held is not None and s in st.held.shards:  # written: now held as written
-                    st.held.put_keys(k, r, step)
+                self.rows_written += len(k)
+                if hold and cache.held is not None and s in cache.held.shards:  # written: now held as written
+                    cache.held.put_keys(k, r, step)
         return failed
 
     def write_shard(self, shard: int, groups: list[tuple[int, np.ndarray, np.ndarray]], step: int | None) -> int:
         """Write rows (table index, ids, rows [n, width]) onto one shard, with its applied-step marker."""
-        st = self.store
-        st._forget(shard)
-        args = [(st.prefix(t, shard), ids, rows) for t, ids, rows in groups]
-        extra = [[b"SET", st.meta_key("applied", shard), b"%d" % step]] if step is not None else []
+        sp = self.space
+        self.cache.forget(shard)
+        args = [(sp.prefix(t, shard), ids, rows) for t, ids, rows in groups]
+        extra = [[b"SET", sp.meta_key("applied", shard), b"%d" % step]] if step is not None else []
         self.fit(shard)
 
         def run():
@@ -246,15 +265,15 @@ class RowWrites:
         ``write_shard``, but pipelined in chunks of ``chunk_rows`` rows, the server applying one chunk
         while the next is encoded and sent, the applied marker last. Not one transaction: a restore
         cut short is redone whole. -> rows written."""
-        st = self.store
-        st._forget(shard)
+        sp = self.space
+        self.cache.forget(shard)
         self.fit(shard)
         pieces = [
-            (st.prefix(t, shard), ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])
+            (sp.prefix(t, shard), ids[lo : lo + chunk_rows], rows[lo : lo + chunk_rows])
             for t, ids, rows in groups
             for lo in range(0, len(ids), chunk_rows)
         ]
-        last = [[b"SET", st.meta_key("applied", shard), b"%d" % step]] if step is not None else []
+        last = [[b"SET", sp.meta_key("applied", shard), b"%d" % step]] if step is not None else []
         wire = self.links.wires[shard]
 
         def run() -> int:
@@ -272,6 +291,10 @@ class RowWrites:
             return sum(len(p[1]) for p in pieces)
 
         return self.links.mapped(shard, run)
+
+    def write_nowhere(self) -> None:
+        """From now on the row writes are built and never sent (``rows_nowhere``)."""
+        self.rows_nowhere = True
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -309,7 +309,7 @@ class Checkpointer:
         path.mkdir(parents=True)
         saves_before: dict = {}
         # every shard stamped before any fork: a cluster node's logical shards share one fork
-        self._stamped = {s: self.store.markers.stamp(s) for s in range(self.store.num_shards)}
+        self._stamped = {s: self.store.stamp(s) for s in range(self.store.num_shards)}
         try:
             for s in range(self.store.num_shards):
                 if s in self.local and not self.network_only:
@@ -319,7 +319,7 @@ class Checkpointer:
                     if same and not isinstance(saves_before[same[0]], int):  # one fork per server (a cluster
                         saves_before[s] = same[0]  # node serves several logical shards): its file is shared
                         continue
-                    snap = self.store.snapshots.snapshot(s, layout.shard_snapshot(path, s), self.snapshot_timeout_s)
+                    snap = self.store.snapshot(s, layout.shard_snapshot(path, s), self.snapshot_timeout_s)
                     snap.start()  # returns once the server forked
                     saves_before[s] = snap
                 self.on_fork(s)

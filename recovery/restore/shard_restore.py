@@ -185,7 +185,7 @@ class ShardRestore:
         if spec is None:
             self.await_server(shard)
             lap("await")
-            self.store.snapshots.clear_shard(shard)  # a stalled server comes back with its rows: they go
+            self.store.clear_shard(shard)  # a stalled server comes back with its rows: they go
             lap("clear")
             restored = self.store.load_snapshot(shard, ckpt.shard_file(shard)) if ckpt is not None else 0
             lap("load")
@@ -206,7 +206,7 @@ class ShardRestore:
         lap("copy")
         spawn_shard(spec, die_with_parent=False)
         lap("start")
-        self.store.links.reconnect(spec.index)
+        self.store.reconnect(spec.index)
         if self.injector is not None:
             self.injector.during("recovery", exclude=spec.index)
         self._slow(shard, lap)
@@ -224,7 +224,7 @@ class ShardRestore:
         """Until the shard's server answers again (its supervisor restarts it), within the timeout."""
         deadline = time.monotonic() + self.restart_timeout_s
         while True:
-            self.store.links.reconnect(shard)
+            self.store.reconnect(shard)
             try:
                 self.store.call(shard, lambda c: c.ping())
                 return

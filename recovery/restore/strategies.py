@@ -240,7 +240,7 @@ class WithLog(FromCheckpoint):
     def lay_on(self, shard, ckpt, step, rec, lap, ahead, as_of):
         groups, replayed, as_of_log = ahead
         if groups:
-            self.store.writes.lay_rows(shard, groups, step=as_of_log)
+            self.store.lay_rows(shard, groups, step=as_of_log)
         lap("replay_write")
         rec["restored_bytes"] += replayed
         rec["lost_updates"], rec["lost_samples"] = 0, 0.0
@@ -293,7 +293,7 @@ class ByReplica(ShardByShard):
         if store.cluster is not None or shard in tools.promoted:
             tools.await_server(shard)  # the cluster promotes a replica itself; or promoted, not ready yet
         else:
-            store.links.promote(shard)
+            store.promote(shard)
             tools.promoted.add(shard)
         at = store.applied_step(shard) or 0
         rec.update(promoted=store.endpoint(shard), failed_endpoint=failed_endpoint)

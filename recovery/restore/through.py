@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from embeddings import RedisStore, ShardUnavailableError, rowkeys
-from embeddings.store.held import ABSENT
 from embeddings.store.outage import OutageRows
+from embeddings.store.row_cache import ABSENT
 from recovery.accounting import Ledger
 from recovery.durable import layout
 from recovery.durable.files import write_atomic
@@ -75,7 +75,11 @@ class DeferredJournal:
 
 class TrainThrough:
     """The outages of one trainer's run: begun at a commit point, polled at every step's start,
-    ended at a rejoin every trainer agrees on."""
+    ended at a rejoin every trainer agrees on. It owns the outage rows (``outage``, made at the
+    first outage): the store's reads are given them (``RedisStore.attach_outage``), and whether a
+    shard is away is theirs to say (``active``)."""
+
+    outage: OutageRows | None = None  # the rows of the shards away, this run's (made at the first outage)
 
     def __init__(
         self,
@@ -122,7 +126,8 @@ class TrainThrough:
 
     @property
     def active(self) -> bool:
-        return bool(self.away)
+        """A shard is away: the outage rows' own fact, which the store's reads go by too."""
+        return self.outage is not None and self.outage.active
 
     @staticmethod
     def check_restart(run_dir, num_shards: int, exact: bool) -> None:
@@ -149,24 +154,25 @@ class TrainThrough:
         """Every trainer, at the commit point that saw ``failed`` (background writes on disk): the
         shards go away, rank 0 starts their restore, and the phase runs again on them."""
         store = self.store
-        if store.outage is None:
-            held = store.held
-            store.outage = OutageRows(
-                store.reads.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes
-            )
+        if self.outage is None:
+            held = store.row_cache
+            outage = OutageRows(store.initial_rows, store.shard_map.shard_of_keys, self.mine, self.budget_bytes)
             if held is not None:
-                store.outage.absent = lambda keys: held.state_of(keys) == ABSENT
-            store.outage.on_kept = self._note_kept
+                outage.absent = lambda keys: held.state_of(keys) == ABSENT
+            outage.on_kept = self._note_kept
             # log promises the run of no failure bit for bit: no fallback, a row no one holds is waited for
-            store.outage.exact_only = self.strategy.replays_log
+            outage.exact_only = self.strategy.replays_log
+            self.outage = outage
+            store.attach_outage(outage)  # the reads of the shards away are its from now on
+        outage = self.outage
         exact = self.strategy.replays_log
         for s in failed:
             keys, rows = (
-                store.held.restores.shard_rows(s)
-                if s in self.mine and store.held is not None
+                store.held_shard_rows(s)
+                if s in self.mine
                 else (np.empty(0, np.int64), np.empty((0, store.width(0)), np.float32))
             )
-            store.outage.begin(s, keys, rows, np.full(len(keys), exact))
+            outage.begin(s, keys, rows, np.full(len(keys), exact))
             self.away[s] = step
             self._phases[s] = phase
             self.journal.note(
@@ -207,7 +213,7 @@ class TrainThrough:
         or a stop inside it loses not its record (``record_interrupted`` makes it at the restart).
         Written and renamed, not synced: it must outlive a process, as the page cache does."""
         run = self.journal.run_dir
-        outage = self.store.outage
+        outage = self.outage
         if run is None or outage is None:
             return
         for s, at in self.away.items():
@@ -290,7 +296,7 @@ class TrainThrough:
         flags = np.zeros(n + 1, np.int64)
         if self.rank == 0 and self._thread is not None and not self._thread.is_alive():
             flags[sorted(self.away)] = 1
-        outage = self.store.outage
+        outage = self.outage
         if outage is not None and outage.over_budget():
             flags[n] = 1
         flags = self.collective.max_flags(flags)
@@ -332,10 +338,10 @@ class TrainThrough:
             if error is not None:
                 raise error
             raise RecoveryError(f"the background restore of shards {shards} failed on rank 0 (its error ends the run)")
-        outage = self.store.outage
+        outage = self.outage
         counts = np.zeros(4 * n, np.float64)
         for s in shards:
-            self.store.links.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
+            self.store.reconnect(s)  # the replacement's connections (this trainer's rows of it forgotten)
             c = outage.counts.get(s)
             if c is not None:
                 counts[[s, n + s, 2 * n + s, 3 * n + s]] = (
@@ -405,18 +411,18 @@ class TrainThrough:
             order = np.argsort(every, kind="stable")
             every, values = every[order], np.concatenate([rows, vals])[order]
             groups = [(t, ids, values[lo:hi]) for t, (ids, lo, hi) in rowkeys.table_groups(every).items()]
-            store.writes.write_shard(s, groups, step=step - 1)
+            store.write_shard(s, groups, step=step - 1)
         except ShardUnavailableError as e:
             raise RecoveryError(
                 f"shard {s} at {store.endpoint(s)} failed again as it rejoined at step {step} ({e.reason}): "
                 "its outage rows cannot reach it"
             ) from None
-        held = store.held
+        held = store.row_cache
         if held is not None and s in held.shards:
             if self.strategy.replays_log:
-                held.restores.reinstate(s)  # exactly what this writer wrote before the failure
+                store.reinstate_held(s)  # exactly what this writer wrote before the failure
             else:
-                held.restores.drop_forgotten(s)
+                store.drop_held_restore(s)
             if len(every):
                 held.put_keys(every, values, step - 1)
         if len(late) and s in self.writes.logs:

@@ -121,7 +121,7 @@ def replay(
             on_corrupt(e)
             break
         if f.groups:
-            store.writes.lay_rows(shard, f.groups, step=f.step)
+            store.lay_rows(shard, f.groups, step=f.step)
         nbytes += path.stat().st_size
         as_of = f.step
     return nbytes, as_of

@@ -356,7 +356,7 @@ def overlay(
     if not after_step < f.step <= upto:
         return 0, 0, after_step
     if f.groups:
-        store.writes.lay_rows(shard, f.groups, step=None)
+        store.lay_rows(shard, f.groups, step=None)
     return len(data), f.updates, f.step
 
 

@@ -108,7 +108,7 @@ def fill(store, per_shard: int, shards: int, rng) -> None:
 def scaling_row(args, size: str, out: Path, rng) -> dict:
     import torch
 
-    from embeddings import SGD, LocalShards, RedisStore, TableSet, TableSpec
+    from embeddings import SGD, ConnectionOptions, LocalShards, RedisStore, TableSet, TableSpec
     from recovery.durable.checkpoint import Checkpointer
 
     nbytes = parse_size(size)
@@ -121,11 +121,16 @@ def scaling_row(args, size: str, out: Path, rng) -> dict:
         specs = sh.specs + ([sh.spec(i, replica=True) for i in range(n)] if replicas else [])
         ns = "scale"
         store = RedisStore(
-            sh.urls, tables, SGD(0.1), namespace=ns, timeout_s=600.0, replica_urls=sh.replica_urls or None
+            sh.urls,
+            tables,
+            SGD(0.1),
+            namespace=ns,
+            timeout_s=600.0,
+            connect=ConnectionOptions(replica_urls=sh.replica_urls or None),
         )
         fill(store, per_shard, n, rng)
         for s in range(n if replicas else 0):
-            store.links.wait_replicated(s, 600_000)
+            store.wait_replicated(s, 600_000)
         ckpt = Checkpointer(ckpt_dir, 1, sh.specs, store, run=ns)
         dense = {"x": torch.zeros(1)}
         ckpt.save(0, dense, {"step": 0, "namespace": ns})  # warm-up (DCP's first save, replica syncs)
@@ -277,7 +282,7 @@ def log_replay(store, log_dir: Path, rng, steps: int = 100, rows_per_step: int =
     t0 = time.perf_counter()
     groups, _, last = log_groups(log_dir, 0, 0, steps)
     t1 = time.perf_counter()
-    store.writes.lay_rows(0, groups, step=last)
+    store.lay_rows(0, groups, step=last)
     t2 = time.perf_counter()
     written = sum(len(ids) for _, ids, _ in groups)
     return round(logged / (t2 - t0)), round(written / (t2 - t1))
@@ -340,7 +345,7 @@ def scan_copy(store, shard: int, path: Path) -> int:
     """The scan-based alternative to a fork: SCAN the shard's row buckets, read their rows (HVALS,
     pipelined) in chunks, write them. Consistent only if nothing writes meanwhile: its time is the
     pause it would cost. -> bytes."""
-    c, n = store.links.client(shard), 0
+    c, n = store.client(shard), 0
     with open(path, "wb") as f:
         keys = []
         for key in c.scan_iter(match=store.key_namespace(shard) + ":*", count=10_000, _type="hash"):

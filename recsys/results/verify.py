@@ -92,7 +92,7 @@ def initial_tables(store) -> dict[int, np.ndarray]:
     from embeddings import rowkeys
 
     return {
-        t: store.reads.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
+        t: store.initial_rows(rowkeys.pack(t, np.arange(spec.num_rows, dtype=np.int64)))
         for t, spec in enumerate(store.tables.specs)
     }
 

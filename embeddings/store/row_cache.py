@@ -30,35 +30,24 @@ Tables whose row width differs from the first table's are not held.
 
 from __future__ import annotations
 
-import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 from embeddings import rowkeys
-from embeddings.keyindex import KeyIndex
-from embeddings.store.held_restores import HeldRestores
+from embeddings.errors import ShardUnavailableError
+from embeddings.store.row_cache_restores import HeldRestores
+from embeddings.store.row_slots import ABSENT, FREE, HELD, NEVER, SLOT_OVERHEAD, UNKNOWN, RowSlots, put_rows
 from embeddings.tables import TableSet
 
-
-def put_rows(dst: np.ndarray, at: np.ndarray, rows: np.ndarray) -> None:
-    """``dst[at] = rows`` for C-contiguous float32 [n, width] arrays, each row moved as one item
-    (a third less time than numpy's element-wise fancy assignment for 17-float rows)."""
-    if not rows.flags.c_contiguous or rows.dtype != dst.dtype:
-        rows = np.ascontiguousarray(rows, dst.dtype)
-    item = np.dtype((np.void, dst.dtype.itemsize * dst.shape[1]))
-    dst.view(item).reshape(-1)[at] = rows.view(item).reshape(-1)
-
-
-FREE, UNKNOWN, HELD, ABSENT = 0, 1, 2, 3  # ABSENT: read as never written; only its writer could write it
 PREFILL_ROWS = 1 << 18  # rows initialised at a time by a fresh run's prefill (``HeldRows._prefill``)
 PREFILL_MAX_ROWS = 1 << 23  # held tables of more rows are not prefilled (about 1 s per million rows)
-NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never assumed older than a restore
-# bytes a slot costs beside its row: key 8, first/last write steps 8, touched 4, free list 4, state,
-# owner, reads and pin 5, and 2 to 4 index buckets of 4 bytes
-SLOT_OVERHEAD = 8 + 8 + 4 + 4 + 5 + 16
+
+__all__ = ["ABSENT", "FREE", "HELD", "NEVER", "UNKNOWN", "HeldRows", "put_rows"]
 
 
-class HeldRows:
+class HeldRows(RowSlots):
     def __init__(
         self,
         tables: TableSet,
@@ -79,7 +68,6 @@ class HeldRows:
         self.shards = set(shards)
         self._tables = tables
         self._every_shard = num_shards is not None and self.shards >= set(range(num_shards))
-        self._init = init
         self._owner_of = owner_of
         self._owner_of_keys = owner_of_keys
         self.width = widths[0]
@@ -88,44 +76,15 @@ class HeldRows:
         self.table_rows = int(num_rows[self._held].sum())
         # per held table, where its rows start in the one-bit-per-row map of a fresh run's writes
         self._base = np.concatenate([[0], np.cumsum(np.where(self._held, num_rows, 0))])[:-1]
-        self._key_offset = self._base - (np.arange(len(num_rows), dtype=np.int64) << rowkeys.ROW_BITS)
-        slot_bytes = self.width * 4 + SLOT_OVERHEAD
-        self.capacity = int(min(self.table_rows, budget_bytes // slot_bytes))
-        c = self.capacity
-        self._key = np.full(c, -1, np.int64)
-        # every page is touched now, as an engine that allocates its tables does: left to the first
-        # write of each row, a step that writes thousands of new rows faults in a page for each
-        self._rows = np.empty((c, self.width), np.float32)
-        self._rows.fill(0.0)
-        self._state = np.full(c, 0, np.int8)  # touched now (np.zeros would fault pages in mid-run)
-        # per slot, the step of this writer's first write since the row was known never written (-1:
-        # it may have existed before) and of its last write (NEVER: unknown): what a restore to an
-        # earlier step left of the row is known without reading it (``restored``)
-        self._first = np.full(c, -1, np.int32)
-        self._last = np.full(c, NEVER, np.int32)
-        self._owner = np.full(c, 0, np.int16)  # touched now (np.zeros would fault pages in mid-run)
-        self._reads = np.full(c, 0, np.uint8)  # touched now (np.zeros would fault pages in mid-run)
-        self._touched = np.full(c, 0, np.int32)  # touched now (np.zeros would fault pages in mid-run)
-        self._pinned = np.full(c, 0, bool)  # touched now (np.zeros would fault pages in mid-run)
-        # every row fits: a row's slot is its position among the held tables' rows (no index, no
-        # eviction); else slots are handed out from a free stack and found through the hash index
-        self._direct = c >= self.table_rows
-        self._free = np.empty(0, np.int32) if self._direct else np.arange(c, dtype=np.int32)[::-1].copy()
-        self._nfree = c  # the free stack is _free[:_nfree] (direct: the slots never used)
-        self._index = None if self._direct else KeyIndex(c, self._key)
-        self._memo: tuple | None = None  # (keys, their slots, eviction round): a step's write finds its read's
-        self.bytes = c * slot_bytes
+        key_offset = self._base - (np.arange(len(num_rows), dtype=np.int64) << rowkeys.ROW_BITS)
+        capacity = int(min(self.table_rows, budget_bytes // (self.width * 4 + SLOT_OVERHEAD)))
+        super().__init__(capacity, self.width, capacity >= self.table_rows, key_offset, init, self._owners)
         self._fresh: set[int] = set()
         self._written: np.ndarray | None = None  # a fresh run: one bit per row this writer wrote
         self.hits = 0
         self.lookups = 0  # keys looked up: hits / lookups is the hit rate
-        self.evicted = 0
-        self.grown = 0  # slots added beyond the budget for open windows (``_grow``)
-        self.epoch = 0  # the newest step written: rows touched in it or the step before are not evicted
-        self.generation = 0  # bumped by clear(): what a read learned before it is void
-        self.version = 0  # bumped by every change: a read of rows held at this version is still current
-        self._lock = threading.RLock()
-        self.restores = HeldRestores(self)  # what a restore of a shard leaves of its rows
+        # what a restore of a shard leaves of its rows
+        self.restores = HeldRestores(self, owner_of is not None, owner_of is not None or owner_of_keys is not None)
 
     # -- what is held --------------------------------------------------------------------------
     def holds_all(self) -> bool:
@@ -149,41 +108,6 @@ class HeldRows:
             "evicted": self.evicted,
             "grown": self.grown,
         }
-
-    @property
-    def used(self) -> int:
-        return self.capacity - self._nfree
-
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
-        """The slot of each packed key, or -1 (under ``_lock``)."""
-        memo = self._memo
-        if memo is not None and memo[2] == self.evicted and (memo[0] is keys):
-            return memo[1]
-        if not self.capacity:
-            return np.full(len(keys), -1, np.int64)
-        if self._direct:
-            pos = self._flat(keys)
-            slots = np.where(self._key[pos] == keys, pos, -1)
-        else:
-            slots = self._index.lookup(keys)
-        self._memo = (keys, slots, self.evicted)
-        return slots
-
-    def _flat(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's position among the held tables' rows: ``base[table] + id``, as key + offset."""
-        return keys + self._key_offset[keys >> rowkeys.ROW_BITS]
-
-    def _states(self, slots: np.ndarray) -> np.ndarray:
-        return np.where(slots >= 0, self._state[np.maximum(slots, 0)], FREE)
-
-    def _read(self, slots: np.ndarray) -> None:
-        """Slots just read: one more read each (saturating), touched in this step. (Every row fits:
-        nothing is ever evicted, so nothing is counted.)"""
-        if self._direct:
-            return
-        r = self._reads[slots]
-        self._reads[slots] = r + (r < 255)
-        self._touched[slots] = self.epoch
 
     def _never_written(self, keys: np.ndarray) -> np.ndarray:
         """Per key not cached: known never written (a fresh shard's row this writer never wrote)."""
@@ -211,9 +135,9 @@ class HeldRows:
 
     def state_of(self, keys: np.ndarray) -> np.ndarray:
         """UNKNOWN, HELD or ABSENT per packed key (not cached: UNKNOWN unless known never written)."""
-        with self._lock:
+        with self.lock:
             keys = np.asarray(keys, np.int64)
-            st = self._states(self._slots(keys))
+            st = self._states(self.find(keys))
             st[(st == FREE) & self._never_written(keys)] = ABSENT
             st[st == FREE] = UNKNOWN
             return st
@@ -221,12 +145,12 @@ class HeldRows:
     # -- reads ---------------------------------------------------------------------------------
     def lookup_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (positions of ``keys`` held here, their rows [n, width], positions known never written)."""
-        with self._lock:
-            slots = self._slots(keys)
+        with self.lock:
+            slots = self.find(keys)
             st = self._states(slots)
             pos = np.flatnonzero(st == HELD)
             at = slots if len(pos) == len(keys) else slots[pos]
-            rows = np.take(self._rows, at, axis=0)
+            rows = np.take(self.rows, at, axis=0)
             cached = slots >= 0
             self._read(slots[cached])
             self.lookups += len(keys)
@@ -241,15 +165,15 @@ class HeldRows:
         is then its initial one); None when any is not, or without ``init``."""
         if self._init is None or not len(keys) or not self.capacity:
             return None
-        with self._lock:
-            slots = self._slots(keys)
+        with self.lock:
+            slots = self.find(keys)
             st = self._states(slots)
             if bool((st == UNKNOWN).any()):
                 return None
             miss = np.flatnonzero(slots < 0)
             if len(miss) and not self._never_written(keys[miss]).all():
                 return None
-            rows = np.take(self._rows, np.maximum(slots, 0), axis=0)
+            rows = np.take(self.rows, np.maximum(slots, 0), axis=0)
             if len(miss):
                 rows[miss] = self._init(keys[miss])
             self._read(slots[slots >= 0])
@@ -260,11 +184,11 @@ class HeldRows:
     def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """A copy of the rows of packed keys, when every one is held (not counted as a read: the
         rows go to their shards); else None."""
-        with self._lock:
-            slots = self._slots(keys)
-            if not len(slots) or slots.min() < 0 or not bool(np.all(self._state[slots] == HELD)):
+        with self.lock:
+            slots = self.find(keys)
+            if not len(slots) or slots.min() < 0 or not bool(np.all(self.state[slots] == HELD)):
                 return None
-            return np.take(self._rows, slots, axis=0)
+            return np.take(self.rows, slots, axis=0)
 
     def lookup(self, table: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """-> (positions of ``ids`` held here, their rows, positions known never written), or None
@@ -286,23 +210,23 @@ class HeldRows:
                 keys, rows = keys[mine], rows[mine]
         if not self.capacity or not len(keys):
             return
-        with self._lock:
+        with self.lock:
             self.version += 1
             if step is not None:
                 self.epoch = max(self.epoch, step)
-            slots = self._slots(keys)
+            slots = self.find(keys)
             have = np.flatnonzero(slots >= 0)
             s = slots[have] if len(have) < len(keys) else slots
-            put_rows(self._rows, s, rows[have] if len(have) < len(keys) else rows)
+            put_rows(self.rows, s, rows[have] if len(have) < len(keys) else rows)
             if step is None:
-                self._first[s], self._last[s] = -1, NEVER
+                self.first[s], self.last[s] = -1, NEVER
             else:
-                state = self._state[s]
+                state = self.state[s]
                 fresh = state != HELD  # mostly none on a step's path: one mask, no index arrays
                 if fresh.any():  # a first write: absent at any earlier step; unknown: may have existed
-                    self._first[s[fresh]] = np.where(state[fresh] == ABSENT, step, -1)
-                self._last[s] = step
-            self._state[s] = HELD
+                    self.first[s[fresh]] = np.where(state[fresh] == ABSENT, step, -1)
+                self.last[s] = step
+            self.state[s] = HELD
             if not self._direct:
                 self._touched[s] = self.epoch
             if pin:
@@ -330,86 +254,9 @@ class HeldRows:
 
     def unpin(self, keys: np.ndarray) -> None:
         """An open window's rows are on their shards now: they may leave like any other."""
-        with self._lock:
-            slots = self._slots(np.asarray(keys, np.int64))
+        with self.lock:
+            slots = self.find(np.asarray(keys, np.int64))
             self._pinned[slots[slots >= 0]] = False
-
-    def _admit(self, keys, rows, state: int, first, last, pin: bool) -> None:
-        """New keys into free slots, evicting where none are free. Rows that do not fit pass through
-        (they are on their shards); pinned rows that do not fit grow the cache (``_grow``)."""
-        if self._nfree < len(keys):
-            self._evict(len(keys) - self._nfree)
-        if self._nfree < len(keys) and pin:  # an open window's rows exist nowhere else: the cache grows
-            self._grow(len(keys) - self._nfree)
-        n = min(len(keys), self._nfree)
-        if not n:
-            return
-        if self._direct:
-            slots = self._flat(keys[:n])
-        else:
-            slots = self._free[self._nfree - n : self._nfree][::-1].astype(np.int64)
-        self._nfree -= n
-        keys = keys[:n]
-        self._key[slots] = keys
-        if rows is None:
-            if self._init is not None:
-                put_rows(self._rows, slots, self._init(keys))
-            else:
-                self._rows[slots] = 0.0
-        else:
-            put_rows(self._rows, slots, rows[:n])
-        self._state[slots] = state
-        self._first[slots], self._last[slots] = first[:n], last[:n]
-        self._owner[slots] = self._owners(keys)
-        self._reads[slots] = 1
-        self._touched[slots] = self.epoch
-        self._pinned[slots] = pin
-        self._memo = None
-        if self._index is not None:
-            self._index.insert(keys, slots)
-
-    def _grow(self, extra: int) -> None:
-        """At least ``extra`` more slots (the cache doubles): an open write-behind window's rows are
-        on no shard yet, so the cache holds them all, beyond its budget if it must. The most a run
-        holds beyond it is one window's distinct rows (``write_every`` steps of a batch's rows)."""
-        old, new = self.capacity, max(2 * self.capacity, self.capacity + extra, 16)
-        for name in ("_key", "_rows", "_state", "_first", "_last", "_owner", "_reads", "_touched", "_pinned"):
-            a = getattr(self, name)
-            b = np.empty((new, *a.shape[1:]), a.dtype)
-            b[:old] = a
-            fill = {"_key": -1, "_first": -1, "_last": NEVER}.get(name, 0)
-            b[old:] = fill
-            setattr(self, name, b)
-        free = np.empty(new, np.int32)
-        free[: self._nfree] = self._free[: self._nfree]
-        added = np.arange(new - 1, old - 1, -1, dtype=np.int32)
-        free[self._nfree : self._nfree + len(added)] = added
-        self._free, self._nfree, self.capacity = free, self._nfree + len(added), new
-        self.bytes += (new - old) * (self.width * 4 + SLOT_OVERHEAD)
-        index = KeyIndex(new, self._key)
-        used = np.flatnonzero(self._state != FREE)
-        index.insert(self._key[used], used)
-        self._index = index
-        self.grown += new - old
-
-    def _evict(self, need: int) -> None:
-        """Free at least ``need`` slots (and up to a sixteenth of the cache), least read first among
-        those not pinned and not touched in this step or the last (forgotten rows before any)."""
-        used = self._state != FREE
-        can = used & ~self._pinned & (self._touched < self.epoch - 1)
-        cand = np.flatnonzero(can)
-        if not len(cand):
-            return
-        k = min(len(cand), max(need, self.capacity // 16))
-        score = np.where(self._state[cand] == UNKNOWN, -1, self._reads[cand].astype(np.int16))
-        go = cand[np.argpartition(score, k - 1)[:k]] if k < len(cand) else cand
-        self._index.remove(self._key[go])
-        self._key[go] = -1
-        self._state[go] = FREE
-        self._free[self._nfree : self._nfree + len(go)] = go
-        self._nfree += len(go)
-        self.evicted += len(go)
-        self._reads >>= 1  # older reads count half: the counts follow the stream
 
     def absent(self, table: int, ids: np.ndarray, generation: int) -> None:
         """Rows of ``shards`` that a read (begun at ``generation``) found never written. A row written
@@ -428,20 +275,20 @@ class HeldRows:
         if not self.holds(table) or not len(ids):
             return
         keys = rowkeys.pack(table, np.asarray(ids, np.int64))
-        with self._lock:
+        with self.lock:
             if generation != self.generation:
                 return
             self.version += 1
-            slots = self._slots(keys)
+            slots = self.find(keys)
             st = self._states(slots)
             unknown = np.flatnonzero(st == UNKNOWN)
             s = slots[unknown]
             if rows is not None:
-                put_rows(self._rows, s, rows[unknown])
-                self._first[s], self._last[s] = -1, NEVER  # read: its writes' steps unknown
-                self._state[s] = HELD
+                put_rows(self.rows, s, rows[unknown])
+                self.first[s], self.last[s] = -1, NEVER  # read: its writes' steps unknown
+                self.state[s] = HELD
             else:
-                self._set_absent(s)
+                self.set_absent(s)
             new = np.flatnonzero(slots < 0)
             if len(new):
                 n = len(new)
@@ -452,16 +299,10 @@ class HeldRows:
                 else:
                     self._admit(keys[new], None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
 
-    def _set_absent(self, slots: np.ndarray) -> None:
-        """Cached rows known never written: with ``init``, they hold their initial values (under ``_lock``)."""
-        self._state[slots] = ABSENT
-        if self._init is not None and len(slots):
-            put_rows(self._rows, slots, self._init(self._key[slots]))
-
     def assume_fresh(self, shards: set[int]) -> None:
         """A fresh run: ``shards`` hold no row yet; a row of theirs this writer has not written is known
         never written (one bit per row of the held tables, set as rows are written)."""
-        with self._lock:
+        with self.lock:
             self.version += 1
             self._fresh = set(shards)
             if self._written is None:
@@ -480,7 +321,7 @@ class HeldRows:
         for t in np.flatnonzero(self._held).tolist():
             for lo in range(0, num_rows[t], PREFILL_ROWS):
                 ids = np.arange(lo, min(num_rows[t], lo + PREFILL_ROWS), dtype=np.int64)
-                free = self._state[self._base[t] + ids] == FREE
+                free = self.state[self._base[t] + ids] == FREE
                 keys = rowkeys.pack(t, ids if free.all() else ids[free])
                 n = len(keys)
                 self._admit(keys, None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
@@ -492,10 +333,118 @@ class HeldRows:
         """Rows known never written, held as such (with their initial values) while they fit."""
         if self.holds(table):
             keys = rowkeys.pack(table, np.asarray(ids, np.int64))
-            with self._lock:
+            with self.lock:
                 self.version += 1
-                slots = self._slots(keys)
-                self._set_absent(slots[slots >= 0])
+                slots = self.find(keys)
+                self.set_absent(slots[slots >= 0])
                 new = slots < 0
                 n = int(new.sum())
                 self._admit(keys[new], None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
+
+
+class RowCache:
+    """The store's part that owns the rows its trainer holds (``held``: a ``HeldRows``, None until
+    ``hold_rows``): starting to hold the rows of the shards it writes, a fresh run's shards known
+    empty, what a restore or rollback of a shard forgets of them and what it leaves, and the
+    counters of reading them back. One per ``RedisStore``; its front exposes ``row_cache``."""
+
+    def __init__(self, space, shard_map, num_shards: int) -> None:
+        self.space, self.shard_map, self.num_shards = space, shard_map, num_shards
+        self.held: HeldRows | None = None
+        self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
+        self.reload_kept = self.reload_absent = self.reload_read = (
+            0  # rows of restored shards: held again, absent, read
+        )
+
+    def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
+        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
+        sp = self.space
+        self.held = HeldRows(
+            sp.tables,
+            [sp.width(t) for t in range(len(sp.tables.specs))],
+            shards,
+            budget_bytes,
+            owner_of=self.shard_map.shard_of,
+            init=sp.initial_rows,  # held tables share one row width, hence one dim
+            owner_of_keys=self.shard_map.shard_of_keys,
+            num_shards=self.num_shards,
+        )
+        return self.held
+
+    def forget(self, shard: int | None = None) -> None:
+        """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
+        (None: every shard's)."""
+        if self.held is not None:
+            self.held.restores.clear(shard)
+
+    def assume_fresh(self, applied_step: Callable[[int], int | None]) -> None:
+        """A fresh run: the held shards that never applied a step (``applied_step``) hold none of its
+        rows yet, so a row of theirs this writer has not written is known absent (no first read from
+        Redis). A shard that does not answer now is assumed nothing of: its rows are read from it
+        (the recovery protocol meets its failure at the first such read), as another rank may
+        already be in a phase that killed it."""
+        held = self.held
+        if held is None:
+            return
+        fresh = set()
+        for s in sorted(held.shards):
+            try:
+                if applied_step(s) is None:
+                    fresh.add(s)
+            except ShardUnavailableError:
+                continue
+        if fresh:
+            held.assume_fresh(fresh)
+
+    def reload_held(
+        self,
+        shard: int,
+        fetch: Callable[[dict[int, np.ndarray]], object],
+        kept_upto: int | None = None,
+        absent_after: int | None = None,
+        overlay: tuple[np.ndarray, int] | None = None,
+    ) -> int:
+        """After a shard was restored: read back (``fetch``, one bulk read) the rows this writer held
+        on it, so that the steps after the recovery read them from memory again and its write-behind
+        keeps overlapping them; rows no longer on the shard are known never written. With the
+        restore's steps (``HeldRestores.restored``), rows unchanged by it are held again without a
+        read and rows first written after it are known never written. -> rows read."""
+        held = self.held
+        if held is None or shard not in held.shards:
+            return 0
+        t0 = time.perf_counter()
+        restores = held.restores
+        if kept_upto is None or absent_after is None:
+            restores.drop_forgotten(shard)
+        else:
+            kept, gone = restores.restored(shard, kept_upto, max(kept_upto, absent_after), overlay)
+            self.reload_kept += kept
+            self.reload_absent += gone
+        requests = restores.unknown(shard)
+        if requests:
+            fetch(requests)
+        self.reload_s += time.perf_counter() - t0
+        n = sum(len(ids) for ids in requests.values())
+        self.reload_read += n
+        return n
+
+    def reinstate_held(self, shard: int) -> int:
+        """After a shard was restored to exactly what this writer wrote to it (its log replayed up to
+        the writer's last step): the rows it held there are held again, no read. -> rows held again."""
+        held = self.held
+        if held is None or shard not in held.shards:
+            return 0
+        return held.restores.reinstate(shard)
+
+    def drop_forgotten(self, shard: int) -> None:
+        """The rows of ``shard`` forgotten by its restore are not to be held again (it went back to an
+        earlier state)."""
+        if self.held is not None:
+            self.held.restores.drop_forgotten(shard)
+
+    def shard_rows(self, shard: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the rows held of ``shard`` (``HeldRestores.shard_rows``): (packed keys, rows
+        [n, width]); none without held rows."""
+        if self.held is None:
+            return np.empty(0, np.int64), np.empty((0, width), np.float32)
+        return self.held.restores.shard_rows(shard)

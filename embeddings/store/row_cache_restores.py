@@ -13,12 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 from embeddings import rowkeys
-from embeddings.store import held as _held
+from embeddings.store.row_slots import HELD, UNKNOWN, RowSlots
 
 
 class HeldRestores:
-    def __init__(self, held) -> None:
-        self.held = held
+    """Given the cache's slots (``clear_by_owner``: a shard's rows can be told apart, else ``clear``
+    forgets every row; ``rows_by_owner``: ``shard_rows`` can pick a shard's)."""
+
+    def __init__(self, slots: RowSlots, clear_by_owner: bool, rows_by_owner: bool) -> None:
+        self.held = slots
+        self._clear_by_owner, self._rows_by_owner = clear_by_owner, rows_by_owner
         self._forgotten: dict[int, list[np.ndarray]] = {}  # per shard: slots held until ``clear`` forgot them
 
     def clear(self, shard: int | None = None) -> None:
@@ -27,14 +31,14 @@ class HeldRestores:
         to an earlier state of its own writes, where that row was not written either (a rollback
         that writes a row's lazy-init value back leaves what the lazy init gives)."""
         h = self.held
-        with h._lock:
+        with h.lock:
             h.generation += 1
             h.version += 1
-            held = h._state == _held.HELD
-            if shard is not None and h._owner_of is not None:
-                held &= h._owner == shard
-            h._state[held] = _held.UNKNOWN
-            if shard is None or h._owner_of is None:
+            held = h.state == HELD
+            if shard is not None and self._clear_by_owner:
+                held &= h.owner == shard
+            h.state[held] = UNKNOWN
+            if shard is None or not self._clear_by_owner:
                 self._forgotten.clear()
             else:  # merged when used (``_take_forgotten``): a restore clears a shard more than once
                 parts = self._forgotten.setdefault(shard, [])
@@ -47,12 +51,12 @@ class HeldRestores:
         its last step): the rows ``clear`` forgot are held again, with the values they had (a row
         written or read since keeps its state). -> rows held again."""
         h = self.held
-        with h._lock:
+        with h.lock:
             pos = self._take_forgotten(shard)
             if not len(pos):
                 return 0
             h.version += 1
-            h._state[pos] = _held.HELD
+            h.state[pos] = HELD
             return len(pos)
 
     def restored(
@@ -67,22 +71,22 @@ class HeldRestores:
         own priority save): those last written by then are held again too, and any other row first
         written after ``kept_upto`` is known never written. -> (held again, now absent)."""
         h = self.held
-        with h._lock:
+        with h.lock:
             pos = self._take_forgotten(shard)
             if not len(pos):
                 return 0, 0
             h.version += 1
-            first, last = h._first[pos], h._last[pos]
+            first, last = h.first[pos], h.last[pos]
             if overlay is None:
                 kept = pos[last <= kept_upto]
                 gone = pos[first > absent_after]
             else:
                 keys, step = overlay
-                on_top = np.isin(h._key[pos], np.asarray(keys, np.int64))
+                on_top = np.isin(h.key[pos], np.asarray(keys, np.int64))
                 kept = pos[(last <= kept_upto) | (on_top & (last <= step))]
                 gone = pos[(first > kept_upto) & ~on_top]
-            h._state[kept] = _held.HELD
-            h._set_absent(gone)
+            h.state[kept] = HELD
+            h.set_absent(gone)
             return len(kept), len(gone)
 
     def _take_forgotten(self, shard: int) -> np.ndarray:
@@ -90,14 +94,14 @@ class HeldRestores:
         the list."""
         h = self.held
         pos = self._merged(self._forgotten.pop(shard, []))
-        return pos[(h._state[pos] == _held.UNKNOWN) & (h._owner[pos] == shard)]
+        return pos[(h.state[pos] == UNKNOWN) & (h.owner[pos] == shard)]
 
     def _merged(self, parts: list[np.ndarray]) -> np.ndarray:
         """Sorted slots in any of ``parts`` (a row forgotten, held again and forgotten again is in two),
         by a mark per slot: linear, where a sort of the slots is not."""
         if len(parts) <= 1:
             return parts[0] if parts else np.empty(0, np.int64)
-        mark = np.zeros(len(self.held._state), bool)
+        mark = np.zeros(len(self.held.state), bool)
         for p in parts:
             mark[p] = True
         return np.flatnonzero(mark)
@@ -107,25 +111,25 @@ class HeldRestores:
         rows [n, width]) in slot order: what a shard restored in the background is read from
         meanwhile (``embeddings.store.outage``)."""
         h = self.held
-        with h._lock:
-            sel = h._state == _held.HELD
-            if h._owner_of is not None or h._owner_of_keys is not None:
-                sel &= h._owner == shard
+        with h.lock:
+            sel = h.state == HELD
+            if self._rows_by_owner:
+                sel &= h.owner == shard
             pos = np.flatnonzero(sel)
-            return h._key[pos], np.take(h._rows, pos, axis=0)
+            return h.key[pos], np.take(h.rows, pos, axis=0)
 
     def drop_forgotten(self, shard: int) -> None:
         """The forgotten rows of ``shard`` are not to be held again (their shard went back to an
         earlier state)."""
-        with self.held._lock:
+        with self.held.lock:
             self._forgotten.pop(shard, None)
 
     def unknown(self, shard: int) -> dict[int, np.ndarray]:
         """Table -> ids of ``shard``'s cached rows whose value is not known here (forgotten since held)."""
         h = self.held
-        with h._lock:
-            mask = h._state == _held.UNKNOWN
-            if h._owner_of is not None:
-                mask &= h._owner == shard
-            keys = np.sort(h._key[mask])
+        with h.lock:
+            mask = h.state == UNKNOWN
+            if self._clear_by_owner:
+                mask &= h.owner == shard
+            keys = np.sort(h.key[mask])
         return {t: ids for t, (ids, _, _) in rowkeys.table_groups(keys).items()}
