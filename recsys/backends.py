@@ -18,34 +18,10 @@ from torchrec.datasets.utils import Batch
 from embeddings import ConnectionOptions, RedisStore
 from embeddings.bags.prefetch import Prefetcher
 from recsys.config import RunConfig
+from recsys.group import StepUpdate, TrainerGroup
 from recsys.model import local_model, row_optimizer, store_model, table_set
-from recsys.sparse import StepUpdate, aggregate
 
 DIGEST_BLOCK = 65536
-
-
-def all_gather_keys(keys: np.ndarray) -> np.ndarray:
-    """The sorted union of every trainer's packed keys (two collectives: the counts, the keys)."""
-    import torch.distributed as dist
-
-    n = torch.tensor([len(keys)], dtype=torch.int64)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, n)
-    most = max(int(c.item()) for c in counts)
-    mine = torch.full((most,), -1, dtype=torch.int64)
-    mine[: len(keys)] = torch.from_numpy(np.asarray(keys, np.int64))
-    parts = [torch.empty(most, dtype=torch.int64) for _ in counts]
-    dist.all_gather(parts, mine)
-    every = torch.cat(parts).numpy()
-    return np.unique(every[every >= 0])
-
-
-def all_reduce_sum(a: np.ndarray) -> np.ndarray:
-    import torch.distributed as dist
-
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    dist.all_reduce(t)
-    return t.numpy()
 
 
 class StagedRows:
@@ -148,13 +124,13 @@ class Backend:
 class StoreBackend(Backend):
     store: RedisStore
 
-    def __init__(self, cfg: RunConfig, urls: list[str], namespace: str, world_size: int, rank: int) -> None:
-        self.cfg = cfg
-        self.world_size, self.rank = world_size, rank
+    def __init__(self, cfg: RunConfig, urls: list[str], namespace: str, group: TrainerGroup) -> None:
+        self.cfg, self.group = cfg, group
+        world_size = group.world_size
         self.store = open_store(cfg, urls, namespace)
         self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
-            mine = {s for s in range(self.store.num_shards) if s % world_size == rank}
+            mine = {s for s in range(self.store.num_shards) if group.writes(s)}
             self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
         held = self.store.row_cache
         if os.environ.get("RECSYS_ROWS_NOWHERE") == "1":
@@ -196,8 +172,8 @@ class StoreBackend(Backend):
         self.stager.stage(keys)
 
     def _serve(self, keys: np.ndarray, training: bool) -> None:
-        if self.world_size > 1:
-            self.store.serve_away(keys, training, all_gather_keys, all_reduce_sum)
+        if not self.group.solo:
+            self.store.serve_away(keys, training, self.group.all_gather_keys, self.group.all_reduce_sum)
         else:
             self.store.serve_away(keys, training)
 
@@ -210,11 +186,11 @@ class StoreBackend(Backend):
     def lockstep_eval(self) -> bool:
         """Shards are away and several trainers run: an evaluation's rows of them come from every
         writer, so every trainer evaluates."""
-        return self.world_size > 1 and self.store.outage_active
+        return not self.group.solo and self.store.outage_active
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""
-        update = aggregate(*self.ebc.pop_key_grads(), self.store.shard_map, self.world_size, self.rank)
+        update = self.group.aggregate(*self.ebc.pop_key_grads(), self.store.shard_map)
         if self.prefetcher is not None:
             self.prefetcher.invalidate(update.updated_keys)
         return update

@@ -26,10 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from data.batches import BatchReader, make_batch
@@ -39,13 +37,14 @@ from embeddings.store.outage import ColdRows
 from recovery.durable.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
 from recovery.factory import RecoverySettings, build_recovery
-from recovery.protocol import CONTINUE, Collective, Outcome
+from recovery.protocol import CONTINUE, Outcome
 from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
 from recsys.clock import WARMUP_STEPS, StepClock
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
+from recsys.group import TrainerGroup
 from recsys.model import dense_optimizer, dense_params
 from recsys.results.final_model import digest, final_keeper, keep_model, save_model_file
 from recsys.results.metrics import evaluate_scores
@@ -78,28 +77,6 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
     finally:  # a shard failure mid-evaluation must not leave the model in eval mode
         model.train(was_training)
     return evaluate_scores(np.concatenate(logits), np.concatenate(labels))
-
-
-def collective(world_size: int) -> Collective:
-    if world_size == 1:
-        return Collective()
-
-    def max_flags(a: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(a.astype(np.int64))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.numpy()
-
-    def broadcast_int(v: int) -> int:
-        t = torch.tensor([v], dtype=torch.int64)
-        dist.broadcast(t, src=0)
-        return int(t.item())
-
-    def sum_floats(a: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(a.astype(np.float64))
-        dist.all_reduce(t)
-        return t.numpy()
-
-    return Collective(world_size, dist.barrier, max_flags, broadcast_int, sum_floats)
 
 
 def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
@@ -160,6 +137,7 @@ class Trainer:
     ) -> None:
         self.t_setup = time.perf_counter()
         self.cfg, self.namespace, self.world_size, self.rank = cfg, namespace, world_size, rank
+        self.group = TrainerGroup(world_size, rank)  # every collective of this trainer goes through it
         self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
         torch.set_num_threads(torch_threads(cfg, world_size))
         self.specs = specs or []
@@ -168,7 +146,7 @@ class Trainer:
         self.backend: Backend = (
             LocalBackend(cfg)
             if cfg.embeddings.embeddings == "local"
-            else StoreBackend(cfg, urls, namespace, world_size, rank)
+            else StoreBackend(cfg, urls, namespace, self.group)
         )
         self.plain = self.backend.model
         if cfg.train.init_from:  # every rank alike, before DDP compares them (a resume loads its own after)
@@ -176,7 +154,7 @@ class Trainer:
 
             load_dense(self.plain, cfg.train.init_from)
         self.init_stats: dict | None = None  # --init-from: what streaming the rows in cost (rank 0)
-        self.model = DistributedDataParallel(self.plain) if world_size > 1 else self.plain
+        self.model = self.group.wrap(self.plain)
         self.opt = dense_optimizer(cfg, dense_params(self.plain))
         self.data = sources(cfg)
         self.reader = BatchReader(
@@ -188,7 +166,7 @@ class Trainer:
             read_ahead=True,
             prepare=self.backend.prepare,
         )
-        self.coll = collective(world_size)
+        self.coll = self.group.collective()
         self.dense_saver = (
             DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
             if cfg.recovery.max_restarts and isinstance(self.backend, StoreBackend)
@@ -387,8 +365,7 @@ class Trainer:
             return out, None, None
         self.opt.step()
         clock.lap("compute")
-        if self.world_size > 1:
-            dist.barrier()  # every shard's writer is done before anyone reads the next step's rows
+        self.group.barrier()  # every shard's writer is done before anyone reads the next step's rows
         clock.lap("waiting")
         return out, nxt, loss
 
@@ -466,10 +443,7 @@ class Trainer:
         if out.rolled_back:
             return out
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
-            mean_loss = loss.detach().clone()
-            if self.world_size > 1:
-                dist.all_reduce(mean_loss)
-                mean_loss /= self.world_size
+            mean_loss = self.group.mean(loss)
             record = {
                 "step": step,
                 "loss": float(mean_loss),

@@ -8,7 +8,7 @@ feature's columns in turn, as torchrec's ``KeyedTensor`` holds them. Forward is 
 (``split_embedding_codegen_forward_cpu``), backward its dense backward
 (``split_embedding_backward_codegen_dense_cpu``): the per-row gradient of every unique row, summed
 over every bag that used it, in one pass. The update is not TBE's: with several trainers the rows'
-gradients are summed across them before any row moves (``recsys.sparse.aggregate``), then the
+gradients are summed across them before any row moves (``recsys.group.TrainerGroup.aggregate``), then the
 store's optimizer applies them (TBE on the host fuses the update into backward and has neither a
 gradient-only mode nor Adam).
 

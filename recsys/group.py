@@ -1,0 +1,168 @@
+"""The trainers of a run as one group: its rank and size, and every collective the run makes.
+
+One ``TrainerGroup`` per trainer process owns the process group (gloo, set up by the launcher or
+torchrun); the training loop, the embedding backend and recovery reach the other trainers only
+through it: the dense gradients' reduction (``wrap``: DDP over the group), the row gradients'
+aggregation (``aggregate``), the rows of shards away (``all_gather_keys``, ``all_reduce_sum``), the
+commit points' flags and the run's totals (``collective()``, recovery's view of the same group).
+With one trainer every collective is the identity.
+
+Row gradients (sync semantics): each trainer's loss is the mean over its B samples, so the global
+loss over the W*B samples is the mean of the trainers' losses and its gradient for a row is
+``(1/W) * sum_r grad_r``. Every trainer all-gathers (table, row, grad) of all trainers, sums per
+row in a fixed order (rank 0's rows first), divides by W, and applies only the rows of the shards
+it owns: shard ``s`` is written by trainer ``s % W`` alone (one writer per shard per step). Every
+trainer also learns the full set of rows updated this step, which keeps its prefetched rows
+coherent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from embeddings.shard_map import ShardMap
+from recovery.protocol import Collective
+
+
+@dataclass
+class StepUpdate:
+    """One step's sparse update, in packed row keys (``embeddings.rowkeys``), sorted."""
+
+    keys: np.ndarray
+    """Rows this trainer writes: [n] int64 keys."""
+    grads: torch.Tensor
+    """Their global gradients, [n, dim] float32."""
+    shards: np.ndarray
+    """Shard of each of ``keys``, [n] int64."""
+    updated_keys: np.ndarray
+    """Every row updated this step by any trainer, [m] int64 keys."""
+    updated_shards: np.ndarray
+    """Shard of each of ``updated_keys``."""
+
+
+class TrainerGroup:
+    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+        self.world_size, self.rank = world_size, rank
+
+    @property
+    def solo(self) -> bool:
+        return self.world_size == 1
+
+    def writes(self, shard: int) -> bool:
+        """Whether this trainer is the one writer of ``shard``."""
+        return shard % self.world_size == self.rank
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model whose backward reduces its dense gradients over the group (DDP)."""
+        if self.solo:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+
+    # -- the collectives ------------------------------------------------------------------------
+    def barrier(self) -> None:
+        if not self.solo:
+            dist.barrier()
+
+    def max_flags(self, a: np.ndarray) -> np.ndarray:
+        if self.solo:
+            return a
+        t = torch.from_numpy(a.astype(np.int64))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.numpy()
+
+    def broadcast_int(self, v: int) -> int:
+        if self.solo:
+            return v
+        t = torch.tensor([v], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def sum_floats(self, a: np.ndarray) -> np.ndarray:
+        if self.solo:
+            return a
+        t = torch.from_numpy(a.astype(np.float64))
+        dist.all_reduce(t)
+        return t.numpy()
+
+    def all_reduce_sum(self, a: np.ndarray) -> np.ndarray:
+        """``a`` summed over the trainers, in its own dtype."""
+        if self.solo:
+            return a
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        dist.all_reduce(t)
+        return t.numpy()
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` averaged over the trainers (the logged loss)."""
+        t = t.detach().clone()
+        if not self.solo:
+            dist.all_reduce(t)
+            t /= self.world_size
+        return t
+
+    def all_gather_keys(self, keys: np.ndarray) -> np.ndarray:
+        """The sorted union of every trainer's packed keys (two collectives: the counts, the keys)."""
+        if self.solo:
+            return np.unique(keys)
+        n = torch.tensor([len(keys)], dtype=torch.int64)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(counts, n)
+        most = max(int(c.item()) for c in counts)
+        mine = torch.full((most,), -1, dtype=torch.int64)
+        mine[: len(keys)] = torch.from_numpy(np.asarray(keys, np.int64))
+        parts = [torch.empty(most, dtype=torch.int64) for _ in counts]
+        dist.all_gather(parts, mine)
+        every = torch.cat(parts).numpy()
+        return np.unique(every[every >= 0])
+
+    def all_gather_rows(self, keys: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Variable-length all-gather of (keys [n], grads [n, dim]); rank order preserved."""
+        if self.solo:
+            return keys, grads
+        world_size = self.world_size
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        dist.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
+        counts = [int(s.item()) for s in sizes]
+        most = max(counts)
+        pad_k = torch.full((most,), -1, dtype=torch.int64)
+        pad_k[: len(keys)] = keys
+        pad_g = torch.zeros((most, grads.shape[1]), dtype=torch.float32)
+        pad_g[: len(grads)] = grads
+        all_k = [torch.empty_like(pad_k) for _ in range(world_size)]
+        all_g = [torch.empty_like(pad_g) for _ in range(world_size)]
+        dist.all_gather(all_k, pad_k)
+        dist.all_gather(all_g, pad_g)
+        return (
+            torch.cat([k[:c] for k, c in zip(all_k, counts)]),
+            torch.cat([g[:c] for g, c in zip(all_g, counts)]),
+        )
+
+    def aggregate(self, keys: np.ndarray, grads: torch.Tensor, shard_map: ShardMap) -> StepUpdate:
+        """This trainer's per-row gradients (packed keys [n], grads [n, dim]) summed over trainers."""
+        k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32))
+        if self.solo and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
+            uniq, summed = k, g  # one forward's rows: already sorted and unique
+        else:
+            uniq, inverse = torch.unique(k, return_inverse=True)
+            summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
+            summed.index_add_(0, inverse, g)
+            if not self.solo:
+                summed /= self.world_size
+        keys_all = uniq.numpy()
+        shards = shard_map.shard_of_keys(keys_all)
+        if self.solo:
+            return StepUpdate(keys_all, summed, shards, keys_all, shards)
+        mine = np.flatnonzero(shards % self.world_size == self.rank)
+        return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards)
+
+    def collective(self) -> Collective:
+        """Recovery's view of the group: the few collectives its commit points need."""
+        if self.solo:
+            return Collective()
+        return Collective(self.world_size, self.barrier, self.max_flags, self.broadcast_int, self.sum_floats)
