@@ -235,6 +235,39 @@ class BatchReader:
             self._ahead = None
 
 
+class ChunkReader:
+    """A trainer's chunks of each global batch: one ``BatchReader`` per chunk (``chunks`` of
+    ``num_chunks``), read in step; ``next`` -> the chunks' batches, in chunk order. The position and
+    its state are one ``BatchReader``'s (every chunk's reader is at the same global row)."""
+
+    def __init__(self, source: Source, global_batch_size: int, chunks: Sequence[int], num_chunks: int, **kw) -> None:
+        if not chunks:
+            raise ValueError("ChunkReader needs at least one chunk")
+        self.chunks = list(chunks)
+        self.readers = [BatchReader(source, global_batch_size, world_size=num_chunks, rank=c, **kw) for c in chunks]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[Batch]:
+        return [next(r) for r in self.readers]
+
+    @property
+    def position(self) -> int:
+        return self.readers[0].position
+
+    def state_dict(self) -> dict[str, int]:
+        return self.readers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for r in self.readers:
+            r.load_state_dict(state)
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
 class ConcatSource:
     """Several finite sources read as one (e.g. Terabyte days 0-22)."""
 

@@ -29,23 +29,30 @@ class StagedRows:
 
     def __init__(self, source) -> None:
         self.source = source
-        self._staged: tuple[np.ndarray, np.ndarray] | None = None
+        self._staged: list[tuple[np.ndarray, np.ndarray]] = []
 
     @property
     def tables(self):
         return self.source.tables
 
-    def stage(self, keys: np.ndarray) -> None:
-        self._staged = None
-        self._staged = (keys, self.source.pull_keys(keys))
+    def stage(self, keys: np.ndarray, more: bool = False) -> None:
+        """Pull ``keys``' rows for the next forward; ``more``: beside the rows staged already (a
+        trainer's further chunks of the step, each its own forward)."""
+        if not more:
+            self._staged = []
+        self._staged.append((keys, self.source.pull_keys(keys)))
 
     def clear(self) -> None:
-        self._staged = None
+        self._staged = []
 
     def pull_keys(self, keys: np.ndarray) -> np.ndarray:
-        staged, self._staged = self._staged, None
-        if staged is not None and (staged[0] is keys or np.array_equal(staged[0], keys)):
-            return staged[1]
+        """The first staged rows where they are ``keys``' (the forwards run in staging order);
+        otherwise every staged row is dropped and ``keys`` are read from the source."""
+        if self._staged:
+            staged, rows = self._staged.pop(0)
+            if staged is keys or np.array_equal(staged, keys):
+                return rows
+            self._staged = []
         return self.source.pull_keys(keys)
 
 
@@ -79,8 +86,11 @@ class Backend:
     def prefetch(self, batch: Batch | None) -> None:
         """Start loading the rows of ``batch`` (the next step's, None after the last) while this step trains."""
 
-    def stage(self, batch: Batch) -> None:
-        """Read this batch's rows before its step computes anything."""
+    def stage(self, batch: Batch | list[Batch]) -> None:
+        """Read this batch's rows (a list: this trainer's chunks of the step) before its step computes anything."""
+
+    def end_chunk(self) -> None:
+        """After a chunk's backward: its row gradients are kept apart for ``gradients``."""
 
     def gradients(self) -> StepUpdate | None:
         """This step's row gradients for the store to apply; None: ``apply_local`` applies them."""
@@ -141,6 +151,7 @@ class StoreBackend(Backend):
         self.stager = StagedRows(self.prefetcher if self.prefetcher is not None else self.store)
         self.model, self.ebc = store_model(cfg, self.store, row_source=self.stager)
         self.names = self.store.tables.names
+        self._chunks: list[tuple[np.ndarray, torch.Tensor]] = []  # this step's row gradients, a chunk each
 
     def _rows_nowhere(self, cfg: RunConfig, world_size: int, held) -> None:
         """``RECSYS_ROWS_NOWHERE=1``: the benchmark's ceiling (``scripts/bench_throughput.py``'s
@@ -164,12 +175,18 @@ class StoreBackend(Backend):
         if self.prefetcher is not None and batch is not None and not away:  # rows away: read at the stage
             self.prefetcher.prefetch(self.ebc.unique_keys(batch.sparse_features))
 
-    def stage(self, batch: Batch) -> None:
-        """Pull this batch's rows now (a shard failure surfaces here, before any compute). Rows of
-        shards away (``--train-through``) are served first, the same on every trainer."""
-        keys = self.ebc.unique_keys(batch.sparse_features)
-        self._serve(keys, training=True)
-        self.stager.stage(keys)
+    def stage(self, batch: Batch | list[Batch]) -> None:
+        """Pull this batch's rows now (a shard failure surfaces here, before any compute); a list:
+        each of this trainer's chunks of the step, for a forward of its own. Rows of shards away
+        (``--train-through``) are served first, the same on every trainer."""
+        self._chunks = []
+        for i, b in enumerate(batch if isinstance(batch, list) else [batch]):
+            keys = self.ebc.unique_keys(b.sparse_features)
+            self._serve(keys, training=True)
+            self.stager.stage(keys, more=i > 0)
+
+    def end_chunk(self) -> None:
+        self._chunks.append(self.ebc.pop_key_grads())
 
     def _serve(self, keys: np.ndarray, training: bool) -> None:
         if not self.group.solo:
@@ -190,7 +207,8 @@ class StoreBackend(Backend):
 
     def gradients(self) -> StepUpdate:
         """This step's row gradients aggregated over trainers (a collective)."""
-        update = self.group.aggregate(*self.ebc.pop_key_grads(), self.store.shard_map)
+        chunks, self._chunks = self._chunks or [self.ebc.pop_key_grads()], []
+        update = self.group.aggregate(chunks, self.store.shard_map)
         if self.prefetcher is not None:
             self.prefetcher.invalidate(update.updated_keys)
         return update

@@ -121,6 +121,19 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--batch-size": ("train", "batch_size", int, "global batch size (split over trainers)"),
     "--trainers": ("train", "trainers", int, "local trainer processes (torchrun sets its own world)"),
     "--threads": ("train", "threads", int, "torch threads per trainer (0: cores left after local shards)"),
+    "--chunks": (
+        "train",
+        "chunks",
+        int,
+        "the global batch in this many fixed chunks, each trained on its own and reduced in chunk order "
+        "(0: one per trainer; one trainer with --chunks W ends bit-identical to W trainers)",
+    ),
+    "--dense-reduce": (
+        "train",
+        "dense_reduce",
+        str,
+        "chunks (gathered, summed in chunk order: exact at any trainer count) or allreduce (torch DDP)",
+    ),
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
     "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),

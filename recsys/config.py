@@ -314,9 +314,39 @@ class TrainConfig:
     (``--redis local``), split over the trainers, at least 1. Cores the servers need are not given to
     torch: its idle threads spin, and a shard that waits for a core stalls every step."""
 
+    chunks: int = 0
+    """The global batch is cut into this many fixed chunks, chunk ``c`` trained by trainer ``c %
+    trainers``; each chunk's gradients are computed on their own and reduced over the trainers in
+    chunk order (``--dense-reduce chunks``). So the arithmetic depends on the chunks, never on how
+    many trainers share them: one trainer with ``--chunks 3`` ends bit-identical to three trainers.
+    0: one chunk per trainer."""
+    dense_reduce: str = "chunks"
+    """How the dense gradients are reduced over trainers: ``chunks`` (every chunk's gradients
+    gathered and summed in chunk order: exact whatever the number of trainers) or ``allreduce``
+    (torch's DDP: overlapped with backward, summed in the ring's order; one chunk per trainer)."""
+
     def __post_init__(self) -> None:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: auto)")
+        _check(self.chunks >= 0, "chunks", self.chunks, "must be >= 0 (0: one per trainer)")
+        _check(
+            self.dense_reduce in ("chunks", "allreduce"),
+            "dense_reduce",
+            self.dense_reduce,
+            "must be chunks or allreduce",
+        )
+        _check(
+            self.batch_size % max(1, self.chunks) == 0,
+            "batch_size",
+            self.batch_size,
+            f"must be a multiple of chunks={self.chunks}",
+        )
+        _check(
+            self.chunks in (0, self.trainers) or self.dense_reduce == "chunks",
+            "chunks",
+            self.chunks,
+            "a trainer of several chunks reduces them in chunk order: needs --dense-reduce chunks",
+        )
         _check(self.trainers > 0, "trainers", self.trainers, "must be > 0")
         _check(self.batch_size > 0, "batch_size", self.batch_size, "must be > 0")
         _check(
@@ -528,6 +558,19 @@ class RunConfig:
                 "recovery",
                 rc.recovery,
                 "replica recovery needs a replica per shard (--replicas local or URLs) or a Redis Cluster",
+            )
+        if self.train.chunks > self.train.trainers:  # a trainer trains several chunks of each step
+            _check(
+                self.embeddings.embeddings == "redis",
+                "chunks",
+                self.train.chunks,
+                "several chunks a trainer train on the Redis tier (--embeddings local applies rows in backward)",
+            )
+            _check(
+                not rc.train_through,
+                "chunks",
+                self.train.chunks,
+                "several chunks a trainer do not yet train through a shard's failure (--train-through)",
             )
         if rc.train_through:
             _check(

@@ -45,20 +45,38 @@ class StepUpdate:
 
 
 class TrainerGroup:
-    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+    """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
+    trained by trainer ``c % world_size``. ``exact``: the dense gradients are gathered and summed in
+    chunk order (``reduce_dense``), not all-reduced by DDP."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0, num_chunks: int = 0, exact: bool = True) -> None:
         self.world_size, self.rank = world_size, rank
+        self.num_chunks = num_chunks or world_size
+        if self.num_chunks < world_size:
+            raise ValueError(f"chunks={num_chunks}: fewer chunks than the {world_size} trainers")
+        self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
+        self.exact = exact or len(self.chunks) > 1
 
     @property
     def solo(self) -> bool:
         return self.world_size == 1
+
+    @property
+    def reduces_dense(self) -> bool:
+        """The dense gradients are reduced here (``reduce_dense``), not in DDP's backward."""
+        return self.exact and self.num_chunks > 1
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [c for c in range(self.num_chunks) if c % self.world_size == rank]
 
     def writes(self, shard: int) -> bool:
         """Whether this trainer is the one writer of ``shard``."""
         return shard % self.world_size == self.rank
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model whose backward reduces its dense gradients over the group (DDP)."""
-        if self.solo:
+        """The model whose backward reduces its dense gradients over the group (DDP); the model
+        itself where there is no group or the gradients are reduced in chunk order."""
+        if self.solo or self.exact:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -143,23 +161,75 @@ class TrainerGroup:
             torch.cat([g[:c] for g, c in zip(all_g, counts)]),
         )
 
-    def aggregate(self, keys: np.ndarray, grads: torch.Tensor, shard_map: ShardMap) -> StepUpdate:
-        """This trainer's per-row gradients (packed keys [n], grads [n, dim]) summed over trainers."""
+    def reduce_dense(self, params: list[torch.nn.Parameter], flats: list[torch.Tensor]) -> None:
+        """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
+        order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
+        the same bits whichever trainers computed which chunks."""
+        mine = torch.stack(flats)
+        if self.solo:
+            rows = list(mine)
+        else:
+            most = len(self.chunks_of(0))  # trainer 0 has the most chunks
+            pad = torch.zeros((most, mine.shape[1]), dtype=mine.dtype)
+            pad[: len(flats)] = mine
+            parts = [torch.empty_like(pad) for _ in range(self.world_size)]
+            dist.all_gather(parts, pad)
+            by_chunk = {c: parts[r][i] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
+            rows = [by_chunk[c] for c in range(self.num_chunks)]
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total += row
+        total /= self.num_chunks
+        at = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(total[at : at + n].view_as(p))
+            at += n
+
+    def aggregate(self, parts: list[tuple[np.ndarray, torch.Tensor]], shard_map: ShardMap) -> StepUpdate:
+        """This trainer's chunks' per-row gradients (per chunk, in its chunk order: packed keys [n],
+        grads [n, dim]) summed over every chunk in chunk order, divided by the chunks."""
+        keys = np.concatenate([k for k, _ in parts]) if len(parts) > 1 else parts[0][0]
+        grads = torch.cat([g.detach().to(torch.float32) for _, g in parts]) if len(parts) > 1 else parts[0][1]
         k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32))
-        if self.solo and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
+        if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
+            k, g = self._chunk_order(k, g, [len(pk) for pk, _ in parts])
+        if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
             uniq, summed = k, g  # one forward's rows: already sorted and unique
         else:
             uniq, inverse = torch.unique(k, return_inverse=True)
             summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
             summed.index_add_(0, inverse, g)
-            if not self.solo:
-                summed /= self.world_size
+            if self.num_chunks > 1:
+                summed /= self.num_chunks
         keys_all = uniq.numpy()
         shards = shard_map.shard_of_keys(keys_all)
         if self.solo:
             return StepUpdate(keys_all, summed, shards, keys_all, shards)
         mine = np.flatnonzero(shards % self.world_size == self.rank)
         return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards)
+
+    def _chunk_order(self, k: torch.Tensor, g: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered rows (each trainer's chunks in turn) as chunk 0's, chunk 1's, ... rows."""
+        most = len(self.chunks_of(0))
+        mine = torch.zeros(most, dtype=torch.int64)
+        mine[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
+        if self.solo:
+            every = [mine]
+        else:
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+        spans: dict[int, tuple[int, int]] = {}
+        at = 0
+        for r in range(self.world_size):
+            for i, c in enumerate(self.chunks_of(r)):
+                n = int(every[r][i])
+                spans[c] = (at, at + n)
+                at += n
+        order = torch.cat([torch.arange(*spans[c]) for c in range(self.num_chunks)])
+        return k[order], g[order]
 
     def collective(self) -> Collective:
         """Recovery's view of the group: the few collectives its commit points need."""

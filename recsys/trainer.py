@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
-from data.batches import BatchReader, make_batch
+from data.batches import BatchReader, ChunkReader, make_batch
 from data.progress import progress
 from embeddings.servers.launcher import ShardSpec
 from embeddings.store.outage import ColdRows
@@ -77,6 +77,19 @@ def evaluate(model, backend, source, num_samples: int) -> dict[str, float]:
     finally:  # a shard failure mid-evaluation must not leave the model in eval mode
         model.train(was_training)
     return evaluate_scores(np.concatenate(logits), np.concatenate(labels))
+
+
+def chunk_reader(source, batch_size: int, group: TrainerGroup, prepare) -> BatchReader | ChunkReader:
+    """This trainer's reader: its chunk of each global batch, or its chunks (a list a step)."""
+    kw = {"epochs": 1 << 30, "read_ahead": True, "prepare": prepare}
+    if len(group.chunks) == 1:
+        return BatchReader(source, batch_size, world_size=group.num_chunks, rank=group.chunks[0], **kw)
+    return ChunkReader(source, batch_size, group.chunks, group.num_chunks, **kw)
+
+
+def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients as one flat tensor (zeros where a parameter has none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
 def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
@@ -137,7 +150,8 @@ class Trainer:
     ) -> None:
         self.t_setup = time.perf_counter()
         self.cfg, self.namespace, self.world_size, self.rank = cfg, namespace, world_size, rank
-        self.group = TrainerGroup(world_size, rank)  # every collective of this trainer goes through it
+        # every collective of this trainer goes through it; it says which chunks of each step are this trainer's
+        self.group = TrainerGroup(world_size, rank, cfg.train.chunks, exact=cfg.train.dense_reduce == "chunks")
         self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
         torch.set_num_threads(torch_threads(cfg, world_size))
         self.specs = specs or []
@@ -155,17 +169,10 @@ class Trainer:
             load_dense(self.plain, cfg.train.init_from)
         self.init_stats: dict | None = None  # --init-from: what streaming the rows in cost (rank 0)
         self.model = self.group.wrap(self.plain)
-        self.opt = dense_optimizer(cfg, dense_params(self.plain))
+        self.dense = list(dense_params(self.plain))
+        self.opt = dense_optimizer(cfg, self.dense)
         self.data = sources(cfg)
-        self.reader = BatchReader(
-            self.data.train,
-            self.batch_size,
-            world_size=world_size,
-            rank=rank,
-            epochs=1 << 30,
-            read_ahead=True,
-            prepare=self.backend.prepare,
-        )
+        self.reader = chunk_reader(self.data.train, self.batch_size, self.group, self.backend.prepare)
         self.coll = self.group.collective()
         self.dense_saver = (
             DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
@@ -370,12 +377,25 @@ class Trainer:
         return out, nxt, loss
 
     def forward_backward(self, batch, nxt) -> torch.Tensor:
-        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        self.backend.prefetch(nxt)  # the next batch's rows load while this one trains
-        self.opt.zero_grad()
-        loss.backward()
-        return loss
+        """Each of this trainer's chunks of the step (``batch``: one, or a list) forward and backward on
+        its own, its row gradients kept apart; the dense gradients reduced in chunk order where the
+        group does it (``TrainerGroup.reduce_dense``), in DDP's backward otherwise. -> the loss."""
+        parts = batch if isinstance(batch, list) else [batch]
+        losses, flats = [], []
+        for i, b in enumerate(parts):
+            logits = self.model(b.dense_features, b.sparse_features).squeeze(1)
+            loss = F.binary_cross_entropy_with_logits(logits, b.labels)
+            if i == 0:  # the next batch's rows load while this one trains (one chunk a trainer)
+                self.backend.prefetch(None if isinstance(nxt, list) else nxt)
+            self.opt.zero_grad()
+            loss.backward()
+            self.backend.end_chunk()
+            if self.group.reduces_dense:
+                flats.append(flat_grads(self.dense))
+            losses.append(loss)
+        if self.group.reduces_dense:
+            self.group.reduce_dense(self.dense, flats)
+        return losses[0] if len(losses) == 1 else torch.stack([x.detach() for x in losses]).mean()
 
     def commit_sparse(self, step: int) -> Outcome:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""

@@ -1,0 +1,109 @@
+"""The arithmetic depends on the chunks of each global batch, never on how many trainers share them
+(``--chunks``, ``--dense-reduce chunks``): every chunk's gradients computed on their own and reduced
+in chunk order. Real trainers over gloo and real redis-servers; the chunk-order reduction itself
+also in one process."""
+
+import numpy as np
+import pytest
+import torch
+
+from embeddings.shard_map import ShardMap
+from embeddings.tables import TableSet, TableSpec
+from recsys.config import ConfigError, RunConfig, TrainConfig
+from recsys.group import TrainerGroup
+from tests.conftest import train_cli
+
+FLAGS = [
+    "--steps", "20", "--batch-size", "192", "--shards", "2", "--rows-per-table", "1000", "--eval-every", "0",
+    "--recovery", "log", "--checkpoint-every", "10", "--no-keep-model", "--embedding-dim", "8",
+]  # fmt: skip
+
+
+def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_end_bit_identical(tmp_path):
+    from recsys.results.verify import verify
+
+    runs = {
+        name: train_cli(tmp_path / name, *FLAGS, *flags)
+        for name, flags in (
+            ("three", ["--trainers", "3"]),
+            ("one", ["--trainers", "1", "--chunks", "3"]),
+            ("two", ["--trainers", "2", "--chunks", "3"]),
+        )
+    }
+    digests = {name: s["embedding_digest"] for name, s in runs.items()}
+    assert len(set(digests.values())) == 1, digests
+    assert len({s["final_auc"] for s in runs.values()}) == 1
+    assert [s["trainers"] for s in runs.values()] == [3, 1, 2]
+    code, line = verify(tmp_path / "two")
+    assert code == 0, line
+
+
+def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
+    exact = train_cli(tmp_path / "exact", *FLAGS, "--trainers", "3")
+    ddp = train_cli(tmp_path / "ddp", *FLAGS, "--trainers", "3", "--dense-reduce", "allreduce")
+    assert ddp["embedding_digest"] != exact["embedding_digest"]
+    assert abs(ddp["final_auc"] - exact["final_auc"]) < 0.002
+
+
+def _grads(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) * 10 ** float(e) for e in torch.randint(-6, 6, (5,), generator=g)]
+
+
+def test_reduce_dense_sums_in_chunk_order_and_divides_by_the_chunks():
+    chunks = _grads(0, 1000)
+    group = TrainerGroup(1, 0, num_chunks=5)
+    assert group.chunks == [0, 1, 2, 3, 4] and group.reduces_dense
+    p = torch.nn.Parameter(torch.zeros(10, 100))
+    group.reduce_dense([p], chunks)
+    want = chunks[0].clone()
+    for c in chunks[1:]:
+        want += c
+    want /= 5
+    assert torch.equal(p.grad.reshape(-1), want)
+    backwards = chunks[4].clone()
+    for c in reversed(chunks[:4]):
+        backwards += c
+    assert not torch.equal(backwards / 5, want)  # the order matters: the test can tell
+
+
+def test_aggregate_puts_the_rows_of_several_chunks_in_chunk_order():
+    tables = TableSet([TableSpec("t0", num_rows=100, dim=4)])
+    shard_map = ShardMap(tables, 2)
+    rng = np.random.default_rng(0)
+    parts = []
+    for _ in range(3):
+        keys = np.unique(rng.integers(0, 100, 30)).astype(np.int64)
+        parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
+    update = TrainerGroup(1, 0, num_chunks=3).aggregate(parts, shard_map)
+    every = np.unique(np.concatenate([k for k, _ in parts]))
+    assert np.array_equal(update.keys, every)
+    for i, key in enumerate(every[:10]):
+        want = torch.zeros(4)
+        for k, g in parts:
+            at = np.flatnonzero(k == key)
+            if len(at):
+                want += g[int(at[0])]
+        assert torch.equal(update.grads[i], want / 3)
+
+
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        ({"chunks": 3, "trainers": 2, "batch_size": 96, "dense_reduce": "allreduce"}, "needs --dense-reduce chunks"),
+        ({"chunks": 5, "batch_size": 64}, "batch_size=64: must be a multiple of chunks=5"),
+        ({"dense_reduce": "ring"}, "dense_reduce='ring': must be chunks or allreduce"),
+    ],
+)
+def test_bad_chunk_settings_are_refused_in_one_line(train, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(train=TrainConfig(**train))
+
+
+def test_several_chunks_a_trainer_are_refused_on_the_local_engine_and_under_train_through():
+    from recsys.config import EmbeddingConfig, RecoveryConfig
+
+    with pytest.raises(ConfigError, match="chunks=2: several chunks a trainer train on the Redis tier"):
+        RunConfig(embeddings=EmbeddingConfig(embeddings="local"), train=TrainConfig(trainers=1, chunks=2))
+    with pytest.raises(ConfigError, match="do not yet train through"):
+        RunConfig(recovery=RecoveryConfig(train_through=True), train=TrainConfig(trainers=1, chunks=2))
