@@ -14,8 +14,8 @@ from recsys.group import TrainerGroup
 from tests.conftest import train_cli
 
 FLAGS = [
-    "--steps", "20", "--batch-size", "192", "--shards", "2", "--rows-per-table", "1000", "--eval-every", "0",
-    "--recovery", "log", "--checkpoint-every", "10", "--no-keep-model", "--embedding-dim", "8",
+    "--steps", "12", "--batch-size", "192", "--shards", "2", "--rows-per-table", "1000", "--eval-every", "0",
+    "--recovery", "log", "--checkpoint-every", "6", "--no-keep-model", "--embedding-dim", "8",
 ]  # fmt: skip
 
 
