@@ -25,6 +25,7 @@ from typing import NamedTuple
 from embeddings import RedisStore, rowkeys
 from embeddings.servers.launcher import ShardSpec
 from recovery.accounting import Ledger, UpdateCounter
+from recovery.core import RecoveryCore
 from recovery.durable.checkpoint import Checkpointer
 from recovery.durable.log import ShardLog
 from recovery.errors import RecoveryError
@@ -93,7 +94,7 @@ class RecoveryManager:
             self.log_dir = next(iter(self.logs.values())).dir.parent
         self.detector = Detector(n, self.collective)
         self.journal = Journal(self.run_dir, self.rank)
-        self.writes = SparseWriter(
+        self.writer = SparseWriter(
             self.store,
             self.detector,
             self.logs,
@@ -102,12 +103,12 @@ class RecoveryManager:
             self.write_every,
             self.committer_of,
         )
-        windowed = self.writes.window is not None
+        windowed = self.writer.window is not None
         self.ledger = Ledger(n, self.batch_size, self.counter, recent=self.strategy.promotes, windowed=windowed)
         self.counter = self.ledger.counter
         # priority saves, flushes and what a checkpoint closes: ``mgr.saves.on_checkpoint(step)``, ...
         self.saves = RowSaves(self.counter, self.priority, self.flusher, self.logs)
-        self.tools = ShardRestore(
+        self.shard_restore = ShardRestore(
             self.store,
             self.strategy,
             self.detector,
@@ -117,40 +118,29 @@ class RecoveryManager:
             self.run_dir,
             self.restart_timeout_s,
         )
-        parts = (self.tools, self.ledger, self.writes, self.journal, self.priority, self.flusher, self.log_dir)
+        parts = (self.shard_restore, self.ledger, self.writer, self.journal, self.priority, self.flusher, self.log_dir)
         self.restorer = RESTORERS[self.strategy](*parts)
         self.rebuilder = Full(*parts)
         self.rebuilder.rebuild = True
-        self.points = CommitPoints(self.detector, self.writes, self.recover_outcome, self.journal.note)
-        self.restarts = Restarts(
+        self.points = CommitPoints(self.detector, self.writer, self.recover_outcome, self.journal.note)
+        core = RecoveryCore(
             self.store,
             self.rank,
             self.collective,
             self.detector,
-            self.writes,
+            self.writer,
             self.ledger,
             self.journal,
-            self.tools,
-            self.log_dir,
-            self.priority,
-            self.flusher,
-            self.checkpointer,
-            self.injector,
+            self.shard_restore,
         )
+        self.restarts = Restarts(core, self.log_dir, self.priority, self.flusher, self.checkpointer, self.injector)
         self.through = (
             TrainThrough(
-                self.store,
+                core,
                 self.strategy,
-                self.rank,
-                self.collective,
-                self.detector,
-                self.writes,
-                self.ledger,
-                self.journal,
                 lambda ledger, journal: RESTORERS[self.strategy](
-                    self.tools, ledger, self.writes, journal, self.priority, self.flusher, self.log_dir
+                    self.shard_restore, ledger, self.writer, journal, self.priority, self.flusher, self.log_dir
                 ),
-                self.tools,
                 self.through_budget_bytes,
                 self.warn,
                 self.drain,
@@ -198,9 +188,6 @@ class RecoveryManager:
         (the recovery benchmark kills a shard and recovers it directly): its record times from there."""
         self.detector.detected_at[shard] = at
 
-    def sync(self) -> list[int]:
-        return self.detector.sync()
-
     def commit(self, step: int, phase: str) -> Outcome:
         return self.points.commit(step, phase)
 
@@ -212,11 +199,11 @@ class RecoveryManager:
 
     @property
     def window_steps(self) -> int:
-        return self.writes.window_steps
+        return self.writer.window_steps
 
     # -- the write path (``recovery.writer``) and what it feeds ------------------------------------
     def apply(self, owned, step: int, only=None, behind: bool = False, durable=None) -> None:
-        self.writes.apply(owned, step, only, behind, durable)
+        self.writer.apply(owned, step, only, behind, durable)
 
     def count_updates(self, updated, step: int | None = None) -> None:
         """The rows a step updated: sorted packed keys and their shards (``StepUpdate.updated_keys``,
@@ -233,16 +220,13 @@ class RecoveryManager:
                 w.observe(keys, shards)
 
     def latest_shard_file(self, shard: int) -> Path | None:
-        return self.tools.latest_shard_file(shard)
+        return self.shard_restore.latest_shard_file(shard)
 
     # -- recovery ----------------------------------------------------------------------------------
-    def recover(self, failed: list[int], step: int, phase: str) -> int | None:
-        """Restore ``failed`` shards (all trainers call this together). ``full``: returns the step
-        the trainers must roll back to; otherwise None (the interrupted phase resumes)."""
-        return self.recover_outcome(failed, step, phase).to_step
-
     def recover_outcome(self, failed: list[int], step: int, phase: str) -> Outcome:
-        """Every trainer: background writes settle, rank 0 restores (its restorer), all learn its
+        """Restore ``failed`` shards (all trainers call this together); the outcome's ``to_step``:
+        under ``full`` the step the trainers roll back to, otherwise None (the interrupted phase
+        resumes). Every trainer: background writes settle, rank 0 restores (its restorer), all learn its
         verdict, then reconnect to (or fail over to) the recovered shards and hold their rows again.
         With ``--train-through`` a failure in a step's stage or update is restored in the background
         instead (``recovery.restore.through``); an outage in progress ends first (the run waits for it)."""
@@ -268,7 +252,7 @@ class RecoveryManager:
             raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
         self._restored = verdict.restored
         recovered = sorted(verdict.as_of)
-        self.writes.as_of.update(verdict.as_of)  # a write-behind's step the restore already covers is not redone
+        self.writer.as_of.update(verdict.as_of)  # a write-behind's step the restore already covers is not redone
         rebuilt = verdict.rollback is not None  # every shard restored from a checkpoint: no replica promoted
         for s in range(n) if rebuilt else recovered:
             if self.strategy.promotes and not rebuilt:
@@ -276,7 +260,7 @@ class RecoveryManager:
             else:
                 self.store.reconnect(s)  # connections to the old processes are dead
         for s in recovered:  # the rows this trainer held on them: held again, or read back in one bulk read
-            self.writes.rehold(s, self._restored.get(s), self.strategy.replays_log, self.priority)
+            self.writer.rehold(s, self._restored.get(s), self.strategy.replays_log, self.priority)
         self.drain()
         for s in recovered:
             self.detector.forget(s)
@@ -288,7 +272,7 @@ class RecoveryManager:
         self.journal.mark_in_recovery(failed)
         # a resume uses no checkpoint newer than its dense state (the phase is the step after it); at
         # any other phase one of the phase's step is whole: its manifest exists only once it completed
-        self.tools.newest_usable = step - 1 if phase == "resume" else step
+        self.shard_restore.newest_usable = step - 1 if phase == "resume" else step
         restorer = self.rebuilder if self._rebuild else self.restorer
         verdict = restorer.recover(failed, step, phase)
         self.journal.mark_in_recovery([])
@@ -316,7 +300,7 @@ class RecoveryManager:
     # -- starts and restarts (``recovery.restore.trainer_restart``) ------------------------------------------------
     def on_rollback(self, to_step: int) -> None:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
-        self.writes.on_rollback(to_step)
+        self.writer.on_rollback(to_step)
 
     def fresh_start(self) -> None:
         self.restarts.fresh_start()

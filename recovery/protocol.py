@@ -167,21 +167,21 @@ class Detector:
 class CommitPoints:
     """``commit`` and ``run_phase``: the points where trainers agree, and what they do then.
 
-    ``writes``: the sparse write path (``recovery.writer.SparseWriter``), whose write-behind in
+    ``writer``: the sparse write path (``recovery.writer.SparseWriter``), whose write-behind in
     flight is joined when anything failed; ``recover(failed, step, phase) -> Outcome``: the
     recovery every trainer runs together."""
 
-    def __init__(self, detector: Detector, writes, recover: Callable[[list[int], int, str], Outcome], note) -> None:
-        self.detector, self.writes, self.recover, self.note = detector, writes, recover, note
+    def __init__(self, detector: Detector, writer, recover: Callable[[list[int], int, str], Outcome], note) -> None:
+        self.detector, self.writer, self.recover, self.note = detector, writer, recover, note
 
     def commit(self, step: int, phase: str) -> Outcome:
         """All trainers agree on the failed shards; if any, they are recovered. A write-behind in
         flight is joined first when anything failed: its failed shards are recovered with the
         others, and its part on them is redone before the phase's."""
         if self.detector.flags.any():
-            self.writes.on_failure_seen()
+            self.writer.on_failure_seen()
         failed = self.detector.sync()
-        self.writes.keep_redo_of(failed)
+        self.writer.keep_redo_of(failed)
         if not failed:
             return CONTINUE
         self.note(f"step {step} {phase}: shards {failed} failed")
@@ -193,13 +193,13 @@ class CommitPoints:
         only = None
         for _ in range(MAX_ATTEMPTS):
             if only is not None:
-                self.writes.redo(only)
+                self.writer.redo(only)
             self.detector.guard(lambda only=only: fn(only))
             out = self.commit(step, phase)
             if out.action is not Action.RETRY:
                 return out
             # restored as of this step or later: the write-behind's rows are there
-            self.writes.drop_redo(set(out.recovered) - set(out.redo))
+            self.writer.drop_redo(set(out.recovered) - set(out.redo))
             only = out.redo
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
 
@@ -212,7 +212,7 @@ class CommitPoints:
         is left to run. ``now``: the step the trainer is in. A failure record names the step an
         injected failure fired at (else the write's), and ``write_step``, the step whose write saw
         it, where they differ."""
-        w = self.writes
+        w = self.writer
         if w.window is not None and not reads and not w.window.closes_at(now):
             return CONTINUE
         out = self._join_behind(now)
@@ -222,11 +222,11 @@ class CommitPoints:
         return self._join_behind(now)
 
     def _join_behind(self, now: int) -> Outcome:
-        step = self.writes.behind_step
+        step = self.writer.behind_step
         if step is None:
             return CONTINUE
         self.detector.seen_at = now
         try:
-            return self.run_phase(step, "update", lambda only: self.writes.settle_behind())
+            return self.run_phase(step, "update", lambda only: self.writer.settle_behind())
         finally:
             self.detector.seen_at = None

@@ -140,7 +140,7 @@ class StoreBackend(Backend):
         self.store = open_store(cfg, urls, namespace)
         self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
-            mine = {s for s in range(self.store.num_shards) if group.writes(s)}
+            mine = {s for s in range(self.store.num_shards) if group.writes_shard(s)}
             self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
         held = self.store.row_cache
         if os.environ.get("RECSYS_ROWS_NOWHERE") == "1":

@@ -430,22 +430,7 @@ class RecoveryConfig:
             strategy = Strategy.parse(self.recovery)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
-            try:
-                self.checkpoint_every = int(self.checkpoint_every)
-            except ValueError:
-                raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: must be a step count or auto") from None
-        if self.checkpoint_every == "auto":
-            from recovery.planner import parse_mtbf
-
-            _check(bool(self.mtbf), "mtbf", self.mtbf, "checkpoint_every=auto needs --mtbf STEPS or SECONDSs")
-            try:
-                parse_mtbf(self.mtbf, step_seconds=1.0)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            _check(0 < self.target_pls < 1, "target_pls", self.target_pls, "must be in (0, 1)")
-        else:
-            _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        self._check_interval()
         _check(self.priority_every >= 0, "priority_every", self.priority_every, "must be >= 0")
         _check(self.priority_budget > 0, "priority_budget", self.priority_budget, "must be > 0")
         _check(0 < self.ssu_fraction <= 1, "ssu_fraction", self.ssu_fraction, "must be in (0, 1]")
@@ -510,6 +495,25 @@ class RecoveryConfig:
                     strategy.replays_log or bool(self.log_dir), "inject", str(inj), "needs update logs (--recovery log)"
                 )
 
+    def _check_interval(self) -> None:
+        """``checkpoint_every``: a step count, or ``auto`` with an ``mtbf`` and a ``target_pls``."""
+        if isinstance(self.checkpoint_every, str) and self.checkpoint_every != "auto":
+            try:
+                self.checkpoint_every = int(self.checkpoint_every)
+            except ValueError:
+                raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: must be a step count or auto") from None
+        if self.checkpoint_every == "auto":
+            from recovery.planner import parse_mtbf
+
+            _check(bool(self.mtbf), "mtbf", self.mtbf, "checkpoint_every=auto needs --mtbf STEPS or SECONDSs")
+            try:
+                parse_mtbf(self.mtbf, step_seconds=1.0)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            _check(0 < self.target_pls < 1, "target_pls", self.target_pls, "must be in (0, 1)")
+        else:
+            _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+
 
 @dataclass
 class RunConfig:
@@ -522,28 +526,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         rc = self.recovery
-        for inj in rc.injections:
-            if inj.kind in ("shard", "stall", "node", "slow-restore"):
-                _check(
-                    self.embeddings.embeddings == "redis",
-                    "inject",
-                    str(inj),
-                    "shard failures act on the Redis tier (--embeddings redis)",
-                )
-            if inj.kind in ("shard", "stall", "slow-restore"):
-                n = len(self.embeddings.urls) or self.embeddings.shards
-                _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
-            if inj.kind in ("trainer", "node"):
-                _check(
-                    inj.target < self.train.trainers,
-                    "inject",
-                    str(inj),
-                    f"trainer {inj.target} does not exist (trainers={self.train.trainers})",
-                )
-            if inj.step is not None:
-                _check(
-                    1 <= inj.step <= self.train.steps, "inject", str(inj), f"step must be in [1, {self.train.steps}]"
-                )
+        self._check_injections()
         _check(
             not (rc.checkpoint_every and self.embeddings.embeddings == "local"),
             "checkpoint_every",
@@ -608,6 +591,32 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def _check_injections(self) -> None:
+        """Each ``--inject``'s target exists in this run, and its step within it."""
+        rc = self.recovery
+        for inj in rc.injections:
+            if inj.kind in ("shard", "stall", "node", "slow-restore"):
+                _check(
+                    self.embeddings.embeddings == "redis",
+                    "inject",
+                    str(inj),
+                    "shard failures act on the Redis tier (--embeddings redis)",
+                )
+            if inj.kind in ("shard", "stall", "slow-restore"):
+                n = len(self.embeddings.urls) or self.embeddings.shards
+                _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
+            if inj.kind in ("trainer", "node"):
+                _check(
+                    inj.target < self.train.trainers,
+                    "inject",
+                    str(inj),
+                    f"trainer {inj.target} does not exist (trainers={self.train.trainers})",
+                )
+            if inj.step is not None:
+                _check(
+                    1 <= inj.step <= self.train.steps, "inject", str(inj), f"step must be in [1, {self.train.steps}]"
+                )
 
     @property
     def window_steps(self) -> int:

@@ -69,7 +69,7 @@ class TrainerGroup:
     def chunks_of(self, rank: int) -> list[int]:
         return [c for c in range(self.num_chunks) if c % self.world_size == rank]
 
-    def writes(self, shard: int) -> bool:
+    def writes_shard(self, shard: int) -> bool:
         """Whether this trainer is the one writer of ``shard``."""
         return shard % self.world_size == self.rank
 

@@ -36,7 +36,7 @@ from embeddings.servers.launcher import ShardSpec
 from embeddings.store.outage import ColdRows
 from recovery.durable.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
-from recovery.factory import RecoverySettings, build_recovery
+from recovery.factory import build_recovery
 from recovery.protocol import CONTINUE, Outcome
 from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
@@ -90,35 +90,6 @@ def chunk_reader(source, batch_size: int, group: TrainerGroup, prepare) -> Batch
 def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The parameters' gradients as one flat tensor (zeros where a parameter has none)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def recovery_settings(cfg: RunConfig, world_size: int) -> RecoverySettings:
-    """The run's recovery settings, as ``recovery.factory`` takes them."""
-    rc, e = cfg.recovery, cfg.embeddings
-    return RecoverySettings(
-        strategy=rc.recovery,
-        run_dir=Path(cfg.train.out),
-        checkpoint_dir=Path(cfg.checkpoint_dir),
-        batch_size=cfg.train.batch_size,
-        seed=cfg.train.seed,
-        log_dir=Path(cfg.log_dir) if cfg.log_dir else None,
-        injections=tuple(rc.injections),
-        checkpoint_every=rc.checkpoint_every,
-        keep_checkpoints=rc.keep_checkpoints,
-        max_abandoned_checkpoints=rc.max_abandoned_checkpoints,
-        log_fsync=rc.log_fsync,
-        mfu_capacity=rc.mfu_capacity,
-        ssu_fraction=rc.ssu_fraction,
-        ssu_capacity=rc.ssu_capacity,
-        priority_budget=rc.priority_budget,
-        priority_half=rc.priority_half,
-        shard_restart_timeout=rc.shard_restart_timeout,
-        replica_wait=e.replica_wait,
-        write_behind=e.write_behind,
-        write_every=cfg.window_steps,
-        train_through=rc.train_through,
-        through_budget_mb=rc.through_budget_mb,
-    )
 
 
 PREPARE_AHEAD = 4  # steps between picking a priority save's rows (on its writer thread) and the save
@@ -180,7 +151,7 @@ class Trainer:
             else NoDenseSaver()
         )
         self.recovery, self.checkpointer, self.injector = build_recovery(
-            recovery_settings(cfg, world_size),
+            cfg,
             self.backend.store,
             self.specs,
             self.coll,

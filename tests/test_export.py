@@ -18,7 +18,7 @@ import recsys
 from data.batches import make_batch
 from data.criteo import NUM_DENSE
 from recovery.durable import layout
-from recovery.durable.checkpoint import list_checkpoints
+from recovery.durable.manifest import list_checkpoints
 from recsys.model import table_configs
 from recsys.results.exporter import ExportError, export, weight_key
 from tests import procs

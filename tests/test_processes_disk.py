@@ -168,7 +168,7 @@ def test_a_server_refusing_the_network_snapshot_is_named_and_counts_as_a_repeati
     import redis
 
     from embeddings.snapshots.rdb import NetworkSnapshot, SnapshotRefusedError
-    from recovery.durable.checkpoint import abandon_cause
+    from recovery.durable.manifest import abandon_cause
 
     with LocalShards(1) as sh:
         redis.Redis.from_url(sh.url(0)).execute_command(

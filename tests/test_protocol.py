@@ -221,14 +221,14 @@ def test_a_shard_dying_during_another_restore_is_recovered_in_the_same_round():
             order.append(shard)
             if shard == 0 and order.count(0) == 1:
                 raise ShardUnavailableError(2, "127.0.0.1:7002", "connection reset")
-            rec = self.tools.base_record("shard", shard, step)
+            rec = self.shard_restore.base_record("shard", shard, step)
             rec["restored_from_step"] = 3
             from recovery.restore.strategies import Restored
 
             return Restored(rec, 3, 3, 3)
 
     m0 = mgrs[0]
-    m0.restorer = DiesDuring(m0.tools, m0.ledger, m0.writes, m0.journal)
+    m0.restorer = DiesDuring(m0.shard_restore, m0.ledger, m0.writer, m0.journal)
     mgrs[1].store.down.add(0)
     outs = on_ranks(mgrs, lambda rank, m: m.commit(6, "stage") if rank == 0 else _fail_then_commit(m, 0, 6))
     assert order == [0, 2, 0]  # the dying shard joined the round, the interrupted one was redone

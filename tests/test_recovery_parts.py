@@ -8,7 +8,7 @@ import torch
 
 from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableSpec
 from recovery.accounting import Ledger, UpdateCounter, lost_samples, pls
-from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.checkpoint import Checkpointer, CheckpointHooks
 from recovery.durable.identity import snapshot_mismatch
 from recovery.durable.log import ShardLog, encode_record, parse_fsync_policy, scan
 from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
@@ -209,7 +209,7 @@ def train_steps(mgr, store, first, last, rng):
             grads[t.name] = (ids, rng.standard_normal((40, t.dim)).astype(np.float32))
             updated[t.name] = np.sort(ids)
         mgr.apply(grads, step)
-        assert mgr.sync() == []
+        assert mgr.detector.sync() == []
         mgr.count_updates(updated)
 
 
@@ -240,8 +240,8 @@ def test_partial_recovery_restores_only_the_failed_shard_and_counts_lost_updates
     before = all_rows(store)
     sh.kill(1)
     ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
-    assert not ok and mgr.sync() == [1]
-    assert mgr.recover([1], 10, "pull") is None
+    assert not ok and mgr.detector.sync() == [1]
+    assert mgr.recover_outcome([1], 10, "pull").to_step is None
     after = all_rows(store)
     for t in TABLES:
         m = shard_mask(store, t, 1)
@@ -271,7 +271,7 @@ def test_log_recovery_replays_to_the_exact_rows(rig, namespace):
         f.write(b"\x31\x43\x45\x52garbage")
     sh.kill(2)
     mgr.guard(lambda: store.pull("b", np.arange(200)))
-    assert mgr.recover(mgr.sync(), 9, "pull") is None
+    assert mgr.recover_outcome(mgr.detector.sync(), 9, "pull").to_step is None
     after = all_rows(store)
     for t in TABLES:
         np.testing.assert_array_equal(after[t.name], before[t.name])
@@ -326,7 +326,7 @@ def held_shard_restored(rig, namespace, strategy: str, seed: int):
     sh.kill(1)
     with store.from_redis():
         ok, _ = mgr.guard(lambda: store.pull("a", np.arange(300)))
-    assert not ok and mgr.recover(mgr.sync(), 8, "pull") is None
+    assert not ok and mgr.recover_outcome(mgr.detector.sync(), 8, "pull").to_step is None
     return mgr, store, before, generation
 
 
@@ -425,7 +425,7 @@ def test_corrupt_checkpoint_is_detected_never_loaded_and_restore_falls_back(rig,
         ckpt.candidates()[0].verify()
     sh.kill(0)
     mgr.guard(lambda: store.pull("a", np.arange(300)))
-    mgr.recover(mgr.sync(), 7, "pull")
+    mgr.recover_outcome(mgr.detector.sync(), 7, "pull")
     rec = mgr.failures[0]
     assert rec["restored_from_step"] == 3 and "shard0.rdb" in rec["corrupt_checkpoints"][0]
     after = all_rows(store)
@@ -445,7 +445,7 @@ def test_over_the_protocol_a_corrupt_or_truncated_snapshot_is_passed_over_before
     record at once; the older checkpoint is restored, exactly."""
     sh, store, ckpt, logs = rig
     mgr = make_manager("partial", store, sh, ckpt, logs)
-    mgr.tools.local = {}  # every shard is one the run did not start: restored over the protocol
+    mgr.shard_restore.local = {}  # every shard is one the run did not start: restored over the protocol
     rng = np.random.default_rng(4)
     train_steps(mgr, store, 1, 3, rng)
     checkpoint(mgr, ckpt, 3, namespace)
@@ -462,7 +462,7 @@ def test_over_the_protocol_a_corrupt_or_truncated_snapshot_is_passed_over_before
         sh.restart(s)
         mgr.detected(s, time.time())
     client = redis.Redis.from_url(sh.urls[0])
-    mgr.recover([0, 1], 7, "pull")
+    mgr.recover_outcome([0, 1], 7, "pull")
     recs = {f["target"]: f for f in mgr.failures}
     assert recs[0]["restored_from_step"] == 3 and "shard0.rdb has SHA-256" in recs[0]["corrupt_checkpoints"][0]
     assert (
@@ -526,7 +526,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
                 grads[t.name] = (ids, rng.standard_normal((len(ids), t.dim)).astype(np.float32))
                 updated[t.name] = ids
             mgr.apply(grads, step)
-            assert mgr.sync() == []
+            assert mgr.detector.sync() == []
             mgr.count_updates(updated)
 
     steps(1, 3)
@@ -541,7 +541,7 @@ def run_priority_schedule(strategy, sh, tmp_path, namespace, seed=7):
     sh.kill(1)
     with store.from_redis():  # held rows would serve the pull without a word to the dead shard
         mgr.guard(lambda: store.pull("a", np.arange(300)))
-    mgr.recover(mgr.sync(), 10, "pull")
+    mgr.recover_outcome(mgr.detector.sync(), 10, "pull")
     with store.from_redis():
         after = all_rows(store)
     held = all_rows(store), (store.reload_kept, store.reload_absent, store.reload_read)
@@ -688,7 +688,7 @@ def test_incremental_flushes_and_the_checkpoint_restore_rows_exactly_as_of_the_l
     stale.write_bytes((tmp_path / "incr" / "shard1" / "flush_0000000008.bin").read_bytes())
     sh.kill(1)
     mgr.guard(lambda: store.call(1, lambda c: c.ping()))  # held rows are read without Redis
-    assert mgr.recover(mgr.sync(), 11, "pull") is None
+    assert mgr.recover_outcome(mgr.detector.sync(), 11, "pull").to_step is None
     with store.from_redis():
         after = all_rows(store)
     for t in TABLES:
@@ -789,14 +789,14 @@ def test_a_snapshot_of_another_shard_is_refused_in_one_line_and_no_checkpoint_ke
     store.write_rows("a", ids, np.ones((100, 5), np.float32))  # rows on every shard
     lines: list[str] = []
     wrong = [sh.specs[0], dataclasses.replace(sh.specs[1], workdir=sh.specs[0].workdir), sh.specs[2]]
-    bad = Checkpointer(tmp_path / "bad", 2, wrong, store, run=namespace, warn=lines.append)
+    bad = Checkpointer(tmp_path / "bad", 2, wrong, store, run=namespace, hooks=CheckpointHooks(warn=lines.append))
     bad.save(5, {"x": torch.zeros(1)}, {"step": 5, "namespace": namespace})
     bad.wait()
     assert bad.candidates() == [] and len(lines) == 1, lines
     assert lines[0].startswith("warning: checkpoint at step 5 abandoned: ") and "shard1.rdb" in lines[0], lines
     assert "is the snapshot of shard(s) [0]" in lines[0] and "not of shard 1" in lines[0], lines
 
-    good = Checkpointer(tmp_path / "good", 2, sh.specs, store, run=namespace, warn=lines.append)
+    good = Checkpointer(tmp_path / "good", 2, sh.specs, store, run=namespace, hooks=CheckpointHooks(warn=lines.append))
     good.save(6, {"x": torch.zeros(1)}, {"step": 6, "namespace": namespace})
     good.wait()
     (c,) = good.candidates()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from embeddings import RedisStore, ShardUnavailableError
 from embeddings.servers.launcher import ShardSpec, kill_and_wait, shard_servers, spawn_shard
-from recovery.durable.checkpoint import Checkpoint, Checkpointer
+from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.manifest import Checkpoint
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, ShardLostError
 from recovery.inject import Injector
 from recovery.protocol import Detector

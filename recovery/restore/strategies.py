@@ -28,8 +28,8 @@ import numpy as np
 
 from embeddings import ShardUnavailableError
 from recovery.accounting import Ledger
-from recovery.durable.checkpoint import Checkpoint
 from recovery.durable.log import ShardLog
+from recovery.durable.manifest import Checkpoint
 from recovery.errors import RecoveryError
 from recovery.journal import Journal
 from recovery.protocol import MAX_ATTEMPTS, Verdict
@@ -54,16 +54,16 @@ class Restorer:
 
     def __init__(
         self,
-        tools: ShardRestore,
+        shard_restore: ShardRestore,
         ledger: Ledger,
-        writes,
+        writer,
         journal: Journal,
         priority_saver=None,
         flusher=None,
         log_dir: Path | None = None,
     ) -> None:
-        self.tools, self.ledger, self.writes, self.journal = tools, ledger, writes, journal
-        self.store = tools.store
+        self.shard_restore, self.ledger, self.writer, self.journal = shard_restore, ledger, writer, journal
+        self.store = shard_restore.store
         self.priority, self.flusher, self.log_dir = priority_saver, flusher, log_dir
 
     def recover(self, failed: list[int], step: int, phase: str) -> Verdict:
@@ -81,7 +81,7 @@ class ShardByShard(Restorer):
 
     def recover(self, failed: list[int], step: int, phase: str) -> Verdict:
         pending, done, retries = list(failed), {}, 0
-        self.tools.promoted = set()
+        self.shard_restore.promoted = set()
         for _ in range(MAX_ATTEMPTS * self.store.num_shards):
             if not pending:
                 break
@@ -98,7 +98,7 @@ class ShardByShard(Restorer):
                     continue
                 e = r  # a shard died while we restored (this one or another)
                 self.journal.note(f"step {step}: shard {e.shard} failed while shard {s} was being recovered")
-                self.tools.detector.detected_at.setdefault(e.shard, time.time())
+                self.shard_restore.detector.detected_at.setdefault(e.shard, time.time())
                 self.journal.mark_in_recovery(sorted({*pending, s, e.shard}))
                 pending += [x for x in dict.fromkeys((e.shard, s)) if x not in pending]  # each once
                 again = True
@@ -112,7 +112,7 @@ class ShardByShard(Restorer):
         for s, r in done.items():
             # redone: the phase, and the steps of a failed write-behind past the restore (a window
             # written at this commit may hold steps after the phase's)
-            if r.as_of < max([step, *self.writes.redo_steps(s)]):
+            if r.as_of < max([step, *self.writer.redo_steps(s)]):
                 verdict.redo.add(s)
         return verdict
 
@@ -142,7 +142,7 @@ class FromCheckpoint(ShardByShard):
     parallel = True
 
     def restore(self, shard: int, step: int) -> Restored:
-        tools = self.tools
+        tools = self.shard_restore
         rec = tools.base_record(tools.kind(shard), shard, step)
         lap = Laps(rec)
         # the newest checkpoint is loaded while its snapshot is verified; a corrupt one is undone by
@@ -176,7 +176,7 @@ class FromCheckpoint(ShardByShard):
 
     def count_lost(self, shard: int, step: int, rec: dict, as_of: int, saved: int = 0) -> None:
         """The interrupted step resumes on the restored shard: the updates since ``as_of`` are lost."""
-        self.ledger.partial(rec, shard, as_of, step - 1, saved, self.writes.redo_steps(shard))
+        self.ledger.partial(rec, shard, as_of, step - 1, saved, self.writer.redo_steps(shard))
 
     def note_corrupt(self, rec: dict, shard: int, step: int):
         def note(e: Exception) -> None:  # not used: what it held is counted lost
@@ -234,7 +234,7 @@ class WithLog(FromCheckpoint):
         # the shard must come back as of every step before the phase's (and before the first step
         # of a failed write-behind, which is redone): the log proves it reaches that far before
         # anything on the shard is touched
-        need = min([step, *self.writes.redo_steps(shard)]) - 1
+        need = min([step, *self.writer.redo_steps(shard)]) - 1
         return self.read_log(shard, base, need, lap)
 
     def lay_on(self, shard, ckpt, step, rec, lap, ahead, as_of):
@@ -287,7 +287,7 @@ class ByReplica(ShardByShard):
     """replica: the shard's replica promoted; nothing is loaded. The steps it had not received are lost."""
 
     def restore(self, shard: int, step: int) -> Restored:
-        tools, store = self.tools, self.store
+        tools, store = self.shard_restore, self.store
         rec = tools.base_record(tools.kind(shard), shard, step)
         failed_endpoint = store.endpoint(shard)
         if store.cluster is not None or shard in tools.promoted:
@@ -305,7 +305,7 @@ class ByReplica(ShardByShard):
             rec["transient"] = True
             rec["lost_updates"], rec["lost_samples"] = 0, 0.0
         else:
-            self.ledger.replica(rec, shard, at, completed, self.writes.redo_steps(shard))
+            self.ledger.replica(rec, shard, at, completed, self.writer.redo_steps(shard))
         return Restored(rec, at, at, at)  # the replica holds every write up to its applied step
 
 
@@ -316,7 +316,7 @@ class Full(Restorer):
     rebuild = False
 
     def recover(self, failed: list[int], step: int, phase: str) -> Verdict:
-        tools, n = self.tools, self.store.num_shards
+        tools, n = self.shard_restore, self.store.num_shards
         rec = tools.base_record("dense-state" if self.rebuild else tools.kind(failed[0]), failed[0], step)
         rec["failed_shards"] = failed
         ckpt = tools.checkpoint_for(list(range(n)), rec, whole=True)

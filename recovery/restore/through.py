@@ -37,15 +37,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embeddings import RedisStore, ShardUnavailableError, rowkeys
+from embeddings import ShardUnavailableError, rowkeys
 from embeddings.store.outage import OutageRows
 from embeddings.store.row_cache import ABSENT
 from recovery.accounting import Ledger
+from recovery.core import RecoveryCore
 from recovery.durable import layout
 from recovery.durable.files import write_atomic
 from recovery.errors import RecoveryError
 from recovery.journal import Journal
-from recovery.protocol import Action, Collective, Detector, Outcome, Verdict
+from recovery.protocol import Action, Outcome, Verdict
 from recovery.restore.strategies import Restorer
 from recovery.strategy import Strategy
 
@@ -83,20 +84,14 @@ class TrainThrough:
 
     def __init__(
         self,
-        store: RedisStore,
+        core: RecoveryCore,
         strategy: Strategy,
-        rank: int,
-        collective: Collective,
-        detector: Detector,
-        writes,
-        ledger: Ledger,
-        journal: Journal,
         make_restorer: Callable[[Ledger, DeferredJournal], Restorer],
-        tools,
         budget_bytes: int,
         warn: Callable[[str], None] = print,
         drain: Callable[[], None] = lambda: None,
     ) -> None:
+        store, rank, collective = core.store, core.rank, core.collective
         if strategy not in THROUGH:
             raise RecoveryError(
                 f"--train-through with --recovery {strategy}: it needs one of {[str(s) for s in THROUGH]}"
@@ -108,8 +103,8 @@ class TrainThrough:
                 "it needs one embedding dim for every table"
             )
         self.store, self.strategy, self.rank, self.collective = store, strategy, rank, collective
-        self.detector, self.writes, self.ledger, self.journal = detector, writes, ledger, journal
-        self.make_restorer, self.tools, self.budget_bytes = make_restorer, tools, budget_bytes
+        self.detector, self.writer, self.ledger, self.journal = core.detector, core.writer, core.ledger, core.journal
+        self.make_restorer, self.shard_restore, self.budget_bytes = make_restorer, core.shard_restore, budget_bytes
         self.warn, self.drain = warn, drain
         n = store.num_shards
         self.mine = {s for s in range(n) if s % collective.world_size == rank}
@@ -182,13 +177,13 @@ class TrainThrough:
             # the rows a write-behind that failed there handed over are held (and logged): they are in
             # the outage rows and the restore brings them, so its steps are not redone; under the
             # partial strategies they are, through the outage rows, and their gradients kept
-            self.writes.drop_redo(failed)
+            self.writer.drop_redo(failed)
         self.drain()
         self.note_outages(step)
         if self.rank == 0:
             self.journal.mark_in_recovery(sorted(self.away))
-            self.tools.newest_usable = step
-            self.tools.seen_at = self.detector.seen_at  # the thread's records name the step it fired at
+            self.shard_restore.newest_usable = step
+            self.shard_restore.seen_at = self.detector.seen_at  # the thread's records name the step it fired at
             ledger = copy.deepcopy(self.ledger)  # the update counts as of the failure
             self._lost_before = len(ledger.lost)
             journal = DeferredJournal(self.journal)
@@ -360,11 +355,11 @@ class TrainThrough:
         failed_at = dict(self.away)
         self.away.clear()
         for s in shards:
-            self.writes.as_of[s] = step - 1
+            self.writer.as_of[s] = step - 1
             self.detector.forget(s)
         self.drain()
         self._thread, self._result = None, (None, None, None, None)
-        self.tools.seen_at = None
+        self.shard_restore.seen_at = None
         if self.rank != 0:
             return
         self.ledger.lost.extend(ledger.lost[self._lost_before :])
@@ -425,5 +420,5 @@ class TrainThrough:
                 store.drop_held_restore(s)
             if len(every):
                 held.put_keys(every, values, step - 1)
-        if len(late) and s in self.writes.logs:
-            self.writes.log_step(step - 1, s, late, vals)
+        if len(late) and s in self.writer.logs:
+            self.writer.log_step(step - 1, s, late, vals)

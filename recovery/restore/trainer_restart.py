@@ -11,39 +11,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from embeddings import RedisStore, ShardDataError
-from recovery.accounting import Ledger
+from embeddings import ShardDataError
+from recovery.core import RecoveryCore
 from recovery.durable import layout
 from recovery.durable.checkpoint import Checkpointer
 from recovery.durable.log import ShardLog
 from recovery.inject import Injector
-from recovery.journal import Journal
-from recovery.protocol import Collective, Detector, Outcome
-from recovery.restore.shard_restore import ShardRestore
+from recovery.protocol import Outcome
 from recovery.restore.through import TrainThrough
 from recovery.saves import incremental, priority
-from recovery.writer import SparseWriter
 
 
 class Restarts:
     def __init__(
         self,
-        store: RedisStore,
-        rank: int,
-        collective: Collective,
-        detector: Detector,
-        writes: SparseWriter,
-        ledger: Ledger,
-        journal: Journal,
-        tools: ShardRestore,
+        core: RecoveryCore,
         log_dir: Path | None = None,
         priority_saver=None,
         flusher=None,
         checkpointer: Checkpointer | None = None,
         injector: Injector | None = None,
     ) -> None:
-        self.store, self.rank, self.collective, self.detector = store, rank, collective, detector
-        self.writes, self.ledger, self.journal, self.tools = writes, ledger, journal, tools
+        self.store, self.rank, self.collective, self.detector = core.store, core.rank, core.collective, core.detector
+        self.writer, self.ledger, self.journal, self.shard_restore = (
+            core.writer,
+            core.ledger,
+            core.journal,
+            core.shard_restore,
+        )
         self.log_dir, self.priority, self.flusher = log_dir, priority_saver, flusher
         self.checkpointer, self.injector = checkpointer, injector
 
@@ -72,7 +67,7 @@ class Restarts:
                 # a shard that does not answer is failed here and met by the protocol at its first use
                 self.detector.guard(lambda s=s: self._undo_first_write(s))
         self.collective.barrier()
-        for log in self.writes.logs.values():
+        for log in self.writer.logs.values():
             log.open_segment(1)
 
     def _undo_first_write(self, shard: int) -> None:
@@ -94,7 +89,7 @@ class Restarts:
         recoveries restore every shard from a checkpoint with ``rebuild``). Returns its outcome
         (``full`` or ``rebuild`` roll back further)."""
         rolled: list[int] = []
-        self.writes.written_to = step
+        self.writer.written_to = step
         if self.ledger.keep_recent:  # the totals a loss is measured from
             self.ledger.recent[step] = self.ledger.counter.total.copy()
         if self.journal.load():
@@ -102,7 +97,9 @@ class Restarts:
             TrainThrough.record_interrupted(self.journal, step, self.store.num_shards)
             self.ledger.from_journal(self.journal.failures)
         if self.rank == 0:
-            TrainThrough.check_restart(self.journal.run_dir, self.store.num_shards, self.tools.strategy.replays_log)
+            TrainThrough.check_restart(
+                self.journal.run_dir, self.store.num_shards, self.shard_restore.strategy.replays_log
+            )
             self.drop_saves_after(step)
             if self.log_dir is not None:
                 for s in range(self.store.num_shards):
@@ -131,10 +128,10 @@ class Restarts:
         if self.injector is not None:
             self.injector.during("resume")
         out = run_phase(step + 1, "resume", roll_back)
-        self.tools.started_empty.clear()  # from here on an empty shard is a failure
+        self.shard_restore.started_empty.clear()  # from here on an empty shard is a failure
         counter = self.ledger.counter
         last_checkpoint = max(c for c in counter.at_step if c <= step) if self.checkpointer is not None else step
-        for log in self.writes.logs.values():
+        for log in self.writer.logs.values():
             log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1)
         self.journal.record_trainer_failures(step, t_restart, restored_bytes, sum(rolled))
         return out
@@ -156,8 +153,8 @@ class Restarts:
         behind = applied is not None and applied < min(step, int(self.ledger.last_update[s]))
         if not recovered and (empty or behind):
             note(f"resume at step {step}: shard {s} is at step {applied}, behind; recovering it")
-            if empty and s in self.tools.local and not d.flags[s]:  # --resume started it: nothing failed
-                self.tools.started_empty.add(s)
+            if empty and s in self.shard_restore.local and not d.flags[s]:  # --resume started it: nothing failed
+                self.shard_restore.started_empty.add(s)
             d.fail(s)
             return None
         try:

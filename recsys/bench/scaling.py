@@ -181,7 +181,7 @@ def restores(sh, store, ckpt, nbytes: int, replicas: bool, repeats: int) -> dict
         t0 = time.time()
         for s in failed:
             mgr.detected(s, t0)
-        mgr.recover(list(failed), 3, "bench")
+        mgr.recover_outcome(list(failed), 3, "bench")
         return time.time() - t0
 
     def restart(*shards):

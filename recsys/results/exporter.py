@@ -202,7 +202,7 @@ def snapshot_servers(files: list[Path]) -> Iterator[list[str]]:
 def final_model(run: Path, namespace: str):
     """The run's final model (``{run}/final``, ``recovery.durable.layout.final_dir``), its files checked
     against its manifest. ``ExportError`` where there is none or it is damaged."""
-    from recovery.durable.checkpoint import list_checkpoints
+    from recovery.durable.manifest import list_checkpoints
     from recovery.errors import CorruptCheckpointError
 
     where = layout.final_dir(run)
@@ -222,7 +222,7 @@ def final_model(run: Path, namespace: str):
 def checkpoint_at(cfg, run: Path, namespace: str, step: int):
     """The run's checkpoint of ``step`` (a committed step, the run finished or not), its files
     checked against its manifest. ``ExportError`` where it is not kept or is damaged."""
-    from recovery.durable.checkpoint import list_checkpoints
+    from recovery.durable.manifest import list_checkpoints
     from recovery.errors import CorruptCheckpointError
 
     kept = list_checkpoints(cfg.checkpoint_dir, namespace) if cfg.checkpoint_dir else []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from embeddings.servers.launcher import ShardSpec
 from recovery.durable import layout
-from recovery.durable.checkpoint import Checkpointer
+from recovery.durable.checkpoint import Checkpointer, CheckpointHooks
 from recsys.config import RunConfig
 from recsys.results.outputs import embedding_digest
 
@@ -43,7 +43,9 @@ def final_keeper(cfg: RunConfig, store, specs: list[ShardSpec], namespace: str, 
         shards=[] if cfg.recovery.recovery == "replica" else specs,
         store=store,
         run=namespace,
-        warn=lambda line: print(line.replace("checkpoint at", "final model at"), file=sys.stderr),
+        hooks=CheckpointHooks(
+            warn=lambda line: print(line.replace("checkpoint at", "final model at"), file=sys.stderr)
+        ),
         max_abandoned=0,
     )
 

@@ -28,7 +28,7 @@ def peak_rss_mb() -> float:
 
 if TYPE_CHECKING:
     from embeddings.store.base import StoreCounters
-    from recovery.durable.checkpoint import SaveStats
+    from recovery.durable.manifest import SaveStats
     from recsys.clock import StepClock
     from recsys.config import RunConfig
     from recsys.schedule import Schedule

@@ -74,7 +74,7 @@ def _summary(run: Path) -> dict:
 
 def _checkpoints(cfg, namespace: str) -> tuple[list, list[str]]:
     """The run's checkpoints whose files verify, newest first, and a line per corrupt one."""
-    from recovery.durable.checkpoint import list_checkpoints
+    from recovery.durable.manifest import list_checkpoints
     from recovery.errors import CorruptCheckpointError
 
     good, bad = [], []
@@ -112,7 +112,7 @@ def kept_model(run: Path, namespace: str):
     """The run's final model (``{run}/final``, kept unless ``--no-keep-model``), its files checked
     against its manifest: the ``Checkpoint``, None where the run kept none.
     ``CorruptCheckpointError`` where a file fails its checksum."""
-    from recovery.durable.checkpoint import list_checkpoints
+    from recovery.durable.manifest import list_checkpoints
 
     kept = list_checkpoints(layout.final_dir(run), namespace)
     if not kept:
