@@ -58,7 +58,6 @@ class StoreCounters(Protocol):
     """What a store counts of its own work, for a run's summary (every store keeps these; a store
     without held rows, write-behind or restores reports None and zeros)."""
 
-    row_cache: HeldRows | None  # rows the store's writer keeps in memory; None: none
     behind_wait_s: float  # the caller waiting at the commit point of a write-behind
     rows_written: int  # rows the training steps' writes put on the store (``apply_keys``)
     # after a shard was restored: reading held rows back (seconds), and the held rows that were
@@ -67,6 +66,10 @@ class StoreCounters(Protocol):
     reload_kept: int
     reload_absent: int
     reload_read: int
+
+    def row_cache_stats(self) -> dict | None:
+        """The rows the store's writer keeps in memory (``HeldRows.stats``); None: it keeps none."""
+        ...
 
 
 class StoreBase:
@@ -242,6 +245,9 @@ class InProcessStore(StoreBase):
         self.rows_written = 0
         self.reload_s = 0.0
         self.reload_kept = self.reload_absent = self.reload_read = 0
+
+    def row_cache_stats(self) -> dict | None:
+        return None if self.row_cache is None else self.row_cache.stats()
 
     def _fetch(self, requests):
         out = {}

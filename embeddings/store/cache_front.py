@@ -33,6 +33,11 @@ class CacheFront:
         """The rows this trainer holds (None: none, before ``hold_rows``)."""
         return self.cache.held
 
+    def row_cache_stats(self) -> dict | None:
+        """The held rows' slots, reads served, rows evicted (``HeldRows.stats``); None: none held."""
+        held = self.row_cache
+        return None if held is None else held.stats()
+
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
         """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
         return self.cache.hold_rows(shards, budget_bytes)

@@ -192,7 +192,7 @@ def save_figures(
         "held_rows_after_restores": saves.held_rows_after_restores,
         # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
         # added beyond the budget for an open window
-        "row_cache": None if store is None or store.row_cache is None else store.row_cache.stats(),
+        "row_cache": None if store is None else store.row_cache_stats(),
         "max_rss_mb": peak_rss_mb(),
         "checkpoint_every": schedule.every,
         "checkpoint_plan": schedule.plan,
