@@ -151,6 +151,7 @@ class BatchReader:
         epochs: int = 1,
         read_ahead: bool = False,
         prepare: Callable[[Batch], object] | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ):
         self.lo, self.hi = rank_slice(global_batch_size, world_size, rank)
         self.source = source
@@ -159,7 +160,11 @@ class BatchReader:
         self.position = 0  # global rows consumed, across epochs
         if source.num_rows is not None and source.num_rows < global_batch_size:
             raise DataError(f"source has {source.num_rows} rows, fewer than one global batch of {global_batch_size}")
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
+        # ``pool``: a read-ahead thread shared with other readers of the same source (its owner closes it)
+        self._owns_pool = pool is None
+        self._pool = (
+            pool if pool is not None else ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if read_ahead else None
+        )
         self._ahead: tuple[int, Future] | None = None  # (position, its batch or None past the end)
         self.prepare = prepare
 
@@ -230,7 +235,10 @@ class BatchReader:
     def close(self) -> None:
         """Stop the read-ahead thread (after its read in flight)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._owns_pool:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            elif self._ahead is not None:
+                self._take_ahead(-1)
             self._pool = None
             self._ahead = None
 
@@ -238,13 +246,17 @@ class BatchReader:
 class ChunkReader:
     """A trainer's chunks of each global batch: one ``BatchReader`` per chunk (``chunks`` of
     ``num_chunks``), read in step; ``next`` -> the chunks' batches, in chunk order. The position and
-    its state are one ``BatchReader``'s (every chunk's reader is at the same global row)."""
+    its state are one ``BatchReader``'s (every chunk's reader is at the same global row). With
+    ``read_ahead`` the chunks' readers share one thread: the source is read by one thread at a time."""
 
     def __init__(self, source: Source, global_batch_size: int, chunks: Sequence[int], num_chunks: int, **kw) -> None:
         if not chunks:
             raise ValueError("ChunkReader needs at least one chunk")
         self.chunks = list(chunks)
-        self.readers = [BatchReader(source, global_batch_size, world_size=num_chunks, rank=c, **kw) for c in chunks]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="read-ahead") if kw.pop("read_ahead", False) else None
+        self.readers = [
+            BatchReader(source, global_batch_size, world_size=num_chunks, rank=c, pool=self._pool, **kw) for c in chunks
+        ]
 
     def __iter__(self):
         return self
@@ -266,6 +278,9 @@ class ChunkReader:
     def close(self) -> None:
         for r in self.readers:
             r.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 class ConcatSource:

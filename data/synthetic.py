@@ -115,8 +115,9 @@ class SyntheticSource:
         self._cache: tuple[int, Samples] | None = None
 
     def _block(self, b: int) -> Samples:
-        if self._cache is not None and self._cache[0] == b:
-            return self._cache[1]
+        cached = self._cache  # read once: readers on several threads share this source
+        if cached is not None and cached[0] == b:
+            return cached[1]
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, SPLITS[self.split], b])
         raw = np.floor(np.exp(rng.normal(1.0, 1.5, (BLOCK, NUM_DENSE)))).astype(np.int64)

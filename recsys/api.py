@@ -215,6 +215,8 @@ def train(
     else:
         cfg = configure(cfg, **overrides)
     under = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    if under:  # the launcher sets the world, as for the CLI: every trainer sees the same trainers
+        cfg = configure(base=cfg, trainers=int(os.environ["WORLD_SIZE"]))
     summary = launch_run(cfg, under_launcher=under, resume=resume, take_over_namespace=take_over_namespace)
     return Run(Path(cfg.train.out), cfg, Summary.from_dict(summary) if summary is not None else None)
 

@@ -342,6 +342,12 @@ class TrainConfig:
             f"must be a multiple of chunks={self.chunks}",
         )
         _check(
+            self.chunks == 0 or self.chunks >= self.trainers,
+            "chunks",
+            self.chunks,
+            f"must be 0 (one per trainer) or at least trainers={self.trainers}",
+        )
+        _check(
             self.chunks in (0, self.trainers) or self.dense_reduce == "chunks",
             "chunks",
             self.chunks,

@@ -55,7 +55,7 @@ class TrainerGroup:
         if self.num_chunks < world_size:
             raise ValueError(f"chunks={num_chunks}: fewer chunks than the {world_size} trainers")
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
-        self.exact = exact or len(self.chunks) > 1
+        self.exact = exact or self.num_chunks != world_size  # alike on every trainer
 
     @property
     def solo(self) -> bool:
@@ -117,12 +117,12 @@ class TrainerGroup:
         return t.numpy()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` averaged over the trainers (the logged loss)."""
+        """The mean over every chunk of the step of a value each trainer gives as the sum over its
+        chunks (the logged loss)."""
         t = t.detach().clone()
         if not self.solo:
             dist.all_reduce(t)
-            t /= self.world_size
-        return t
+        return t / self.num_chunks
 
     def all_gather_keys(self, keys: np.ndarray) -> np.ndarray:
         """The sorted union of every trainer's packed keys (two collectives: the counts, the keys)."""

@@ -350,7 +350,8 @@ class Trainer:
     def forward_backward(self, batch, nxt) -> torch.Tensor:
         """Each of this trainer's chunks of the step (``batch``: one, or a list) forward and backward on
         its own, its row gradients kept apart; the dense gradients reduced in chunk order where the
-        group does it (``TrainerGroup.reduce_dense``), in DDP's backward otherwise. -> the loss."""
+        group does it (``TrainerGroup.reduce_dense``), in DDP's backward otherwise. -> the sum of
+        its chunks' losses."""
         parts = batch if isinstance(batch, list) else [batch]
         losses, flats = [], []
         for i, b in enumerate(parts):
@@ -366,7 +367,8 @@ class Trainer:
             losses.append(loss)
         if self.group.reduces_dense:
             self.group.reduce_dense(self.dense, flats)
-        return losses[0] if len(losses) == 1 else torch.stack([x.detach() for x in losses]).mean()
+        # the sum over this trainer's chunks: ``TrainerGroup.mean`` divides the step's sum by the chunks
+        return losses[0] if len(losses) == 1 else torch.stack([x.detach() for x in losses]).sum()
 
     def commit_sparse(self, step: int) -> Outcome:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""

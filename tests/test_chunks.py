@@ -36,6 +36,42 @@ def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_en
     assert [s["trainers"] for s in runs.values()] == [3, 1, 2]
     code, line = verify(tmp_path / "two")
     assert code == 0, line
+    # the logged loss is the mean over the step's chunks however they are shared (2 trainers of 3
+    # chunks: one trainer's sum of two, the other's one, divided by 3)
+    losses = {name: [r["loss"] for r in _records(tmp_path / name) if "loss" in r] for name in runs}
+    assert len(losses["three"]) >= 2
+    for name in ("one", "two"):
+        assert losses[name] == pytest.approx(losses["three"], rel=1e-6), name
+
+
+def _records(out) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
+    import threading
+
+    from data.batches import BatchReader, ChunkReader
+    from data.synthetic import SyntheticConfig, SyntheticSource
+
+    seen: set[str] = set()
+
+    def prepare(batch) -> None:
+        seen.add(threading.current_thread().name)
+
+    source = SyntheticSource(SyntheticConfig(rows_per_table=(100,) * 26))
+    reader = ChunkReader(source, 96, [0, 2], 3, read_ahead=True, prepare=prepare)
+    plain = [BatchReader(SyntheticSource(source.cfg), 96, world_size=3, rank=c) for c in (0, 2)]
+    try:
+        for _ in range(4):
+            got, want = next(reader), [next(r) for r in plain]
+            for a, b in zip(got, want):
+                assert torch.equal(a.labels, b.labels) and torch.equal(a.dense_features, b.dense_features)
+    finally:
+        reader.close()
+    assert len(seen) == 1, seen  # one thread read every chunk ahead
 
 
 def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
@@ -93,6 +129,10 @@ def test_aggregate_puts_the_rows_of_several_chunks_in_chunk_order():
         ({"chunks": 3, "trainers": 2, "batch_size": 96, "dense_reduce": "allreduce"}, "needs --dense-reduce chunks"),
         ({"chunks": 5, "batch_size": 64}, "batch_size=64: must be a multiple of chunks=5"),
         ({"dense_reduce": "ring"}, "dense_reduce='ring': must be chunks or allreduce"),
+        (
+            {"chunks": 2, "trainers": 3, "batch_size": 96},
+            "chunks=2: must be 0 .one per trainer. or at least trainers=3",
+        ),
     ],
 )
 def test_bad_chunk_settings_are_refused_in_one_line(train, message):
