@@ -41,12 +41,14 @@ def build_recovery(
     drain: Callable[[], None] = lambda: None,
     committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None,
     warn: Callable[[str], None] | None = None,
+    trainer_index: int | None = None,
 ) -> RecoveryParts:
     """The recovery of one trainer over ``store`` (None: the local baseline, nothing to recover),
     from the run's config, read where it is declared: its ``[recovery]`` section, the write path of
     ``[embeddings]``, the run's folders. ``drain``: drops prefetched rows after a restore;
     ``committer_of``: the dense state saver's commit (``DenseSaver.committer``); ``warn``: where an
-    abandoned checkpoint's line goes."""
+    abandoned checkpoint's line goes; ``trainer_index``: the trainer ``trainer:R`` names, where it
+    is not its rank (``--trainer-recovery replace``, whose ranks follow the quorum)."""
     if store is None:
         return RecoveryParts(NoRecovery(), None, None)
     rc, world, n = cfg.recovery, collective.world_size, store.num_shards
@@ -58,10 +60,11 @@ def build_recovery(
         rank,
         pidfiles,
         Path(cfg.train.out),
-        world,
+        cfg.train.trainers if trainer_index is not None else world,
         urls=store.urls,
         log_dir=log_dir,
         dense_path=layout.dense_latest(cfg.checkpoint_dir),
+        index=trainer_index,
     )
     mine = {s for s in range(n) if s % world == rank}  # the shards this trainer writes
     logs = {s: ShardLog(log_dir, s, rc.log_fsync) for s in sorted(mine)} if log_dir else {}
@@ -110,6 +113,7 @@ def build_recovery(
         through_budget_bytes=int(rc.through_budget_mb * (1 << 20)),
         warn=warn or print,
     )
+    manager.journal.trainer_recovery = "replace" if trainer_index is not None else "restart"
     return RecoveryParts(manager, ckpt, injector)
 
 

@@ -157,8 +157,10 @@ class Injector:
         urls: list[str] | None = None,
         log_dir: str | os.PathLike | None = None,
         dense_path: str | os.PathLike | None = None,
+        index: int | None = None,
     ) -> None:
         self.injections = list(injections)
+        self.index = rank if index is None else index  # the trainer ``trainer:R`` and ``node:R`` name
         self.log_dir = Path(log_dir) if log_dir else None  # corrupt-log's target
         self.dense_path = Path(dense_path) if dense_path else None  # corrupt-dense's
         self.rank = rank
@@ -211,7 +213,7 @@ class Injector:
 
     def _mine(self, inj: Injection) -> bool:
         if inj.kind in ("trainer", "node"):
-            return inj.target == self.rank
+            return inj.target == self.index
         return self.rank == 0
 
     def fired(self) -> list[dict]:
@@ -319,7 +321,13 @@ class Injector:
                     raise InjectionSpecError(f"--inject {inj}: no shard {s} (run has {len(self.pidfiles)})")
             if inj.kind in ("trainer", "node"):
                 rec = self._record(inj, shards)
-                marker = {"kind": inj.kind, "rank": self.rank, "step": self.step, "time": rec["time"], "shards": shards}
+                marker = {
+                    "kind": inj.kind,
+                    "rank": self.index,
+                    "step": self.step,
+                    "time": rec["time"],
+                    "shards": shards,
+                }
                 append_line(layout.trainer_failures_file(self.run_dir), marker)
                 for s in shards:
                     self._kill_shard(s)

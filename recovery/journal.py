@@ -25,6 +25,8 @@ class Journal:
     def __init__(self, run_dir: Path | None, rank: int) -> None:
         self.run_dir, self.rank = run_dir, rank
         self.failures: list[dict] = []
+        # what a trainer's death costs: the group restarts, or the others go on without it (``replace``)
+        self.trainer_recovery = "restart"
 
     def note(self, what: str) -> None:
         """One line of the run's recovery journal (``{run}/recovery.log``): what was done, when."""
@@ -111,6 +113,10 @@ class Journal:
             died_at = info.get("step")
             detected = max(0.0, t_restart - info["time"])  # the death to the new group's first call here
             heal = time.time() - t_restart  # every shard back to the dense state's step
+            if self.trainer_recovery == "replace":
+                self._record_replaced(info, death, step, detected, heal, restored_bytes, rolled)
+                rolled = 0
+                continue
             self.record(
                 {
                     "kind": info.get("kind", "trainer"),
@@ -137,6 +143,50 @@ class Journal:
             )
             rolled = 0  # counted once, on the first
 
+    def _record_replaced(
+        self, info: dict, death: str, step: int, detected: float, regroup: float, restored_bytes: int, rolled: int
+    ) -> None:
+        """A trainer's death under ``--trainer-recovery replace``: the others went on at a new
+        quorum (``waited_s``: from the death until they trained again: its detection, the
+        regroup, every shard back to the dense state's step); the replacement's ``heal_s`` and
+        ``rejoin_step`` are filled in when it joins (``note_rejoin``)."""
+        died_at = info.get("step")
+        self.record(
+            {
+                "kind": info.get("kind", "trainer"),
+                "target": info["rank"],
+                "step": died_at if died_at is not None else step + 1,
+                "strategy": "replace",
+                **({"shards": info["shards"]} if info.get("shards") else {}),
+                "detected_after_s": round(detected, 4),
+                "recovery_s": round(regroup, 4),
+                "waited_s": round(detected + regroup, 4),
+                "heal_s": None,
+                "rejoin_step": None,
+                "resumed_step": step + 1,
+                "samples_lost": 0,  # the survivors train the dead trainer's chunks: none is skipped
+                "restored_bytes": restored_bytes,
+                "rolled_back_rows": rolled,
+                "lost_updates": 0,
+                "lost_samples": 0.0,
+                "replayed_steps": max(0, died_at - step) if died_at else 0,
+                "_death": death,
+            }
+        )
+
+    def note_rejoin(self, index: int, step: int, heal_s: float) -> None:
+        """Rank 0: trainer ``index``'s replacement trains from ``step``, healed in ``heal_s``: the
+        newest record of its death says so (rewritten in place), and one line."""
+        if self.rank != 0 or self.run_dir is None:
+            return
+        for rec in reversed(self.failures):
+            if rec.get("strategy") == "replace" and rec.get("target") == index and rec.get("rejoin_step") is None:
+                rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
+                lines = "".join(json.dumps(r) + "\n" for r in self.failures)
+                write_atomic(layout.failures_file(self.run_dir), lines)
+                self.say(f"trainer {index} rejoined at step {step}: healed from a peer in {heal_s:.2f} s")
+                return
+
 
 def stale_words(recs: list[dict]) -> str:
     """What training through relaxed, beside the updates lost: ", N rows read stale, M updates
@@ -148,6 +198,13 @@ def stale_words(recs: list[dict]) -> str:
 
 def failure_line(rec: dict) -> str:
     """A failure as the terminal says it: what failed at which step, how it came back, what it lost."""
+    if rec.get("strategy") == "replace":  # a trainer's (or a node's) death; the others went on
+        return (
+            f"failure: {rec.get('kind', 'trainer')} {rec.get('target')} at step {rec.get('step')}: the other "
+            f"trainers went on from step {rec.get('resumed_step')} after {float(rec.get('waited_s') or 0):.2f} s "
+            f"({int(rec.get('replayed_steps') or 0)} steps redone), {int(rec.get('samples_lost') or 0):,} samples lost; "
+            "a replacement heals from them"
+        )
     if rec.get("strategy") == "restart":  # a trainer's (or a node's) death
         return (
             f"failure: {rec.get('kind', 'trainer')} {rec.get('target')} at step {rec.get('step')}: restart of the "

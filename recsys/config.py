@@ -8,6 +8,7 @@ overridden by a flag; the resolved config is written to ``{out}/config.toml``. A
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,6 +415,23 @@ class RecoveryConfig:
     """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
     rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
 
+    trainer_recovery: str = "auto"
+    """What a trainer's death costs the others. ``replace``: they go on at a new quorum (torchft's
+    Lighthouse and managers, ``recsys.quorum.replica``), training its chunks beside their own, and only it
+    is started again, healed from a live peer; the run ends bit-identical to one without the death.
+    ``restart``: the whole trainer group starts again from the per-step dense state. ``auto``:
+    ``replace`` with more than one trainer on the Redis tier (not under torchrun), else ``restart``."""
+    lighthouse: str = ""
+    """With ``replace``: the address (host:port) of a torchft Lighthouse that already runs, to join
+    instead of starting one on loopback for the run."""
+    restart_delay: float = 0.0
+    """Seconds before a dead trainer (``replace``) or the trainer group (``restart``) is started
+    again: a host that takes that much longer to come back (on GPUs, CUDA and NCCL set-up)."""
+    trainer_timeout: float = 30.0
+    """With ``replace``: seconds a collective waits for a trainer that is still alive (it heartbeats)
+    before the step is discarded and the quorum forms again. A killed trainer is seen at once, or
+    within the Lighthouse's heartbeat timeout (1 s)."""
+
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial,
     partial-mfu, partial-ssu, incremental, log): its writer's cached rows are read exactly, other rows
@@ -465,6 +483,14 @@ class RecoveryConfig:
             "must be >= 0 (0: never stop)",
         )
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        _check(
+            self.trainer_recovery in ("auto", "replace", "restart"),
+            "trainer_recovery",
+            self.trainer_recovery,
+            "must be auto, replace or restart",
+        )
+        _check(self.restart_delay >= 0, "restart_delay", self.restart_delay, "must be >= 0")
+        _check(self.trainer_timeout > 0, "trainer_timeout", self.trainer_timeout, "must be > 0")
         if self.train_through:
             from recovery.restore.through import THROUGH
 
@@ -561,6 +587,19 @@ class RunConfig:
                 self.train.chunks,
                 "several chunks a trainer do not yet train through a shard's failure (--train-through)",
             )
+        if rc.trainer_recovery == "replace":
+            _check(
+                self.embeddings.embeddings == "redis" and self.train.trainers > 1,
+                "trainer_recovery",
+                rc.trainer_recovery,
+                "replace needs --trainers 2 or more on the Redis tier (--embeddings redis)",
+            )
+            _check(
+                self.train.dense_reduce == "chunks",
+                "trainer_recovery",
+                rc.trainer_recovery,
+                "replace reduces in chunk order: needs --dense-reduce chunks",
+            )
         if rc.train_through:
             _check(
                 self.embeddings.embeddings == "redis",
@@ -634,6 +673,20 @@ class RunConfig:
             return e.write_every
         applies = e.embeddings == "redis" and self.train.trainers == 1 and e.write_behind
         return AUTO_WINDOW if applies and not self.recovery.train_through else 1
+
+    @property
+    def replaces_trainers(self) -> bool:
+        """A trainer's death is met by ``--trainer-recovery replace`` (``auto``: more than one
+        trainer on the Redis tier, chunks reduced in chunk order, not under torchrun)."""
+        mode = self.recovery.trainer_recovery
+        if mode != "auto":
+            return mode == "replace"
+        return (
+            self.train.trainers > 1
+            and self.embeddings.embeddings == "redis"
+            and self.train.dense_reduce == "chunks"
+            and "TORCHELASTIC_RUN_ID" not in os.environ
+        )
 
     @property
     def checkpoint_dir(self) -> str:

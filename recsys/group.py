@@ -44,13 +44,31 @@ class StepUpdate:
     """Shard of each of ``updated_keys``."""
 
 
+class TorchDist:
+    """The collectives on torch's default process group (the launcher's or torchrun's)."""
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        dist.all_reduce(t, op=op)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        dist.broadcast(t, src=src)
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        dist.all_gather(out, t)
+
+
 class TrainerGroup:
     """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
     trained by trainer ``c % world_size``. ``exact``: the dense gradients are gathered and summed in
-    chunk order (``reduce_dense``), not all-reduced by DDP."""
+    chunk order (``reduce_dense``), not all-reduced by DDP. ``comm``: where the collectives run
+    (torch's default group; under ``--trainer-recovery replace`` the quorum's, ``recsys.quorum.replica``)."""
 
-    def __init__(self, world_size: int = 1, rank: int = 0, num_chunks: int = 0, exact: bool = True) -> None:
+    def __init__(self, world_size: int = 1, rank: int = 0, num_chunks: int = 0, exact: bool = True, comm=None) -> None:
         self.world_size, self.rank = world_size, rank
+        self.comm = comm if comm is not None else TorchDist()
         self.num_chunks = num_chunks or world_size
         if self.num_chunks < world_size:
             raise ValueError(f"chunks={num_chunks}: fewer chunks than the {world_size} trainers")
@@ -85,27 +103,27 @@ class TrainerGroup:
     # -- the collectives ------------------------------------------------------------------------
     def barrier(self) -> None:
         if not self.solo:
-            dist.barrier()
+            self.comm.barrier()
 
     def max_flags(self, a: np.ndarray) -> np.ndarray:
         if self.solo:
             return a
         t = torch.from_numpy(a.astype(np.int64))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(t, dist.ReduceOp.MAX)
         return t.numpy()
 
     def broadcast_int(self, v: int) -> int:
         if self.solo:
             return v
         t = torch.tensor([v], dtype=torch.int64)
-        dist.broadcast(t, src=0)
+        self.comm.broadcast(t, 0)
         return int(t.item())
 
     def sum_floats(self, a: np.ndarray) -> np.ndarray:
         if self.solo:
             return a
         t = torch.from_numpy(a.astype(np.float64))
-        dist.all_reduce(t)
+        self.comm.all_reduce(t)
         return t.numpy()
 
     def all_reduce_sum(self, a: np.ndarray) -> np.ndarray:
@@ -113,7 +131,7 @@ class TrainerGroup:
         if self.solo:
             return a
         t = torch.from_numpy(np.ascontiguousarray(a))
-        dist.all_reduce(t)
+        self.comm.all_reduce(t)
         return t.numpy()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +139,7 @@ class TrainerGroup:
         chunks (the logged loss)."""
         t = t.detach().clone()
         if not self.solo:
-            dist.all_reduce(t)
+            self.comm.all_reduce(t)
         return t / self.num_chunks
 
     def all_gather_keys(self, keys: np.ndarray) -> np.ndarray:
@@ -130,12 +148,12 @@ class TrainerGroup:
             return np.unique(keys)
         n = torch.tensor([len(keys)], dtype=torch.int64)
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(counts, n)
+        self.comm.all_gather(counts, n)
         most = max(int(c.item()) for c in counts)
         mine = torch.full((most,), -1, dtype=torch.int64)
         mine[: len(keys)] = torch.from_numpy(np.asarray(keys, np.int64))
         parts = [torch.empty(most, dtype=torch.int64) for _ in counts]
-        dist.all_gather(parts, mine)
+        self.comm.all_gather(parts, mine)
         every = torch.cat(parts).numpy()
         return np.unique(every[every >= 0])
 
@@ -145,7 +163,7 @@ class TrainerGroup:
             return keys, grads
         world_size = self.world_size
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-        dist.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
+        self.comm.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
         counts = [int(s.item()) for s in sizes]
         most = max(counts)
         pad_k = torch.full((most,), -1, dtype=torch.int64)
@@ -154,8 +172,8 @@ class TrainerGroup:
         pad_g[: len(grads)] = grads
         all_k = [torch.empty_like(pad_k) for _ in range(world_size)]
         all_g = [torch.empty_like(pad_g) for _ in range(world_size)]
-        dist.all_gather(all_k, pad_k)
-        dist.all_gather(all_g, pad_g)
+        self.comm.all_gather(all_k, pad_k)
+        self.comm.all_gather(all_g, pad_g)
         return (
             torch.cat([k[:c] for k, c in zip(all_k, counts)]),
             torch.cat([g[:c] for g, c in zip(all_g, counts)]),
@@ -173,7 +191,7 @@ class TrainerGroup:
             pad = torch.zeros((most, mine.shape[1]), dtype=mine.dtype)
             pad[: len(flats)] = mine
             parts = [torch.empty_like(pad) for _ in range(self.world_size)]
-            dist.all_gather(parts, pad)
+            self.comm.all_gather(parts, pad)
             by_chunk = {c: parts[r][i] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
             rows = [by_chunk[c] for c in range(self.num_chunks)]
         total = rows[0].clone()
@@ -220,7 +238,7 @@ class TrainerGroup:
             every = [mine]
         else:
             every = [torch.empty_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(every, mine)
+            self.comm.all_gather(every, mine)
         spans: dict[int, tuple[int, int]] = {}
         at = 0
         for r in range(self.world_size):

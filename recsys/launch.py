@@ -173,6 +173,10 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
         # a killed trainer leaves a semaphore for multiprocessing's tracker to reap: not the user's concern
         PYTHONWARNINGS="ignore::UserWarning:multiprocessing.resource_tracker",
     ):
+        if cfg.replaces_trainers:  # a trainer's death stops no one: only it starts again
+            from recsys.quorum.supervisor import launch_replicas
+
+            return launch_replicas(cfg, urls, namespace, specs, start_method())
         return _launch_trainers(cfg, urls, namespace, specs)
 
 
@@ -229,6 +233,7 @@ def _launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> 
                 layout.trainer_failures_file(out), {"kind": "trainer", "rank": rank, "step": None, "time": time.time()}
             )
         restarts += 1
+        time.sleep(cfg.recovery.restart_delay)  # a host that takes longer to come back
         print(  # on a line of its own: the dead trainer's progress bar ends mid-line
             f"\ntrainer rank {rank} died ({why}); restarting the trainer group ({restarts}/{cfg.recovery.max_restarts})",
             file=sys.stderr,
@@ -318,7 +323,7 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
 
 
 # -- one trainer process ---------------------------------------------------------------------------
-def _default_signals() -> None:
+def default_signals() -> None:
     """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
     SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
     process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
@@ -373,7 +378,7 @@ def worker_main(
     An error ends this process with exit status 3 after writing its traceback to
     ``{out}/errors/trainer{rank}.log`` and its one line to ``trainer{rank}.json`` (the launcher
     prints that line); no traceback reaches the terminal."""
-    _default_signals()
+    default_signals()
     cfg = RunConfig.from_dict(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

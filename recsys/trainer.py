@@ -46,6 +46,8 @@ from recsys.datasets import sources
 from recsys.errors import reserve_space
 from recsys.group import TrainerGroup
 from recsys.model import dense_optimizer, dense_params
+from recsys.quorum.regroup import Epoch, state_bytes
+from recsys.quorum.replica import PeerLost, Regroup
 from recsys.results.final_model import digest, final_keeper, keep_model, save_model_file
 from recsys.results.metrics import evaluate_scores
 from recsys.results.outputs import NullOutputs, RunOutputs
@@ -118,11 +120,18 @@ class Trainer:
         world_size: int = 1,
         rank: int = 0,
         specs: list[ShardSpec] | None = None,
+        epoch: Epoch | None = None,
     ) -> None:
         self.t_setup = time.perf_counter()
         self.cfg, self.namespace, self.world_size, self.rank = cfg, namespace, world_size, rank
+        # --trainer-recovery replace: this trainer of a quorum, its group the quorum's (``recsys.quorum.regroup``)
+        self.epoch = epoch
         # every collective of this trainer goes through it; it says which chunks of each step are this trainer's
-        self.group = TrainerGroup(world_size, rank, cfg.train.chunks, exact=cfg.train.dense_reduce == "chunks")
+        self.group = (
+            epoch.group
+            if epoch is not None
+            else TrainerGroup(world_size, rank, cfg.train.chunks, exact=cfg.train.dense_reduce == "chunks")
+        )
         self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
         torch.set_num_threads(torch_threads(cfg, world_size))
         self.specs = specs or []
@@ -147,7 +156,7 @@ class Trainer:
         self.coll = self.group.collective()
         self.dense_saver = (
             DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
-            if cfg.recovery.max_restarts and isinstance(self.backend, StoreBackend)
+            if (cfg.recovery.max_restarts or epoch is not None) and isinstance(self.backend, StoreBackend)
             else NoDenseSaver()
         )
         self.recovery, self.checkpointer, self.injector = build_recovery(
@@ -159,6 +168,7 @@ class Trainer:
             drain=self.backend.drain,
             committer_of=self.dense_saver.committer,  # a window's write makes its step's save current
             warn=lambda line: tqdm.write(line, file=sys.stderr),  # on a line of its own under the bar
+            trainer_index=epoch.index if epoch is not None else None,
         )
         self.schedule = Schedule(cfg, self.num_shards, self.coll, rank)
         self.out: RunOutputs | NullOutputs = NullOutputs()
@@ -247,6 +257,8 @@ class Trainer:
             batch = next(self.reader)
             while True:
                 if self.step > self.steps:
+                    if self.epoch is not None:
+                        self.epoch.finishing()
                     out, summary = self.finish()
                     if not out.rolled_back:
                         return summary
@@ -272,6 +284,7 @@ class Trainer:
             self.recovery.close()
             self.backend.close()
             self.reader.close()
+            self.dense_saver.close()
             torch.set_num_threads(self._threads_before)
 
     def elapsed_before(self) -> float:
@@ -322,6 +335,8 @@ class Trainer:
         step = self.step
         self._t_step = time.perf_counter()
         self.clock.start(self._t_step)
+        if self.epoch is not None:
+            self.meet_quorum(step)
         self.recovery.poll_outage(step)  # shards restored in the background rejoin here (--train-through)
         if self.injector is not None:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
@@ -344,8 +359,20 @@ class Trainer:
         self.opt.step()
         clock.lap("compute")
         self.group.barrier()  # every shard's writer is done before anyone reads the next step's rows
+        if self.epoch is not None and not self.epoch.replica.commit():
+            raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
         clock.lap("waiting")
         return out, nxt, loss
+
+    def meet_quorum(self, step: int) -> None:
+        """``--trainer-recovery replace``: the quorum of this step; a changed one ends this trainer
+        (``Regroup``, with the state it holds: a peer that joins heals from it meanwhile)."""
+        replica = self.epoch.replica
+        replica.offer = lambda: state_bytes(self, step - 1)
+        q = replica.quorum(step - 1)
+        if q.quorum_id != self.epoch.quorum_id:
+            self.recovery.writer.settle_behind()  # this trainer's rows of step - 1 on their shards
+            raise Regroup(q, self.state_dict(step - 1))
 
     def forward_backward(self, batch, nxt) -> torch.Tensor:
         """Each of this trainer's chunks of the step (``batch``: one, or a list) forward and backward on
@@ -545,13 +572,17 @@ class Trainer:
         that file fails its checksum, from the newest checkpoint whose files all verify: every
         shard then rolls back to it, and the steps since are trained again)."""
         rebuild = False
+        epoch = self.epoch
         try:
-            resumed = self.dense_saver.load()
+            # a quorum that only gained trainers goes on from the state each holds (``recsys.quorum.regroup``)
+            resumed = (
+                epoch.start_state if epoch is not None and epoch.start_state is not None else self.dense_saver.load()
+            )
         except CorruptCheckpointError as e:
             resumed, rebuild = self._resume_from_checkpoint(str(e)), True
         if self.rank == 0:
             self.out = RunOutputs(self.cfg, append=resumed is not None)
-        t_restart = time.time()
+        t_restart = epoch.detected_at if epoch is not None and epoch.left else time.time()
         if resumed is not None:
             self.load_state_dict(resumed)
         if self.injector is not None:
@@ -569,9 +600,13 @@ class Trainer:
                 self.schedule.checkpoint_pause_s = self.checkpointer.history[-1].pause_s
             return
         self.recovery.saves.suspend_flushes()  # rows dirtied before the restart are unknown
-        out = self.recovery.resume(self.step - 1, t_restart, self.dense_saver.path.stat().st_size, rebuild=rebuild)
+        size = self.dense_saver.path.stat().st_size if self.dense_saver.path.exists() else 0
+        out = self.recovery.resume(self.step - 1, t_restart, size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
+        if epoch is not None:
+            for i in epoch.joined:
+                self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s)
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

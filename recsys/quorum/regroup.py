@@ -1,0 +1,198 @@
+"""One trainer process under ``--trainer-recovery replace``: its trainer, built again in the same
+process each time the quorum changes (``recsys.quorum.replica`` says why and when).
+
+Each quorum begins an epoch: the trainers of the quorum agree (one collective, ``agree``) which
+trainers left and joined since the last, and where to go on from:
+- a trainer left, a step was cut short, or a member holds no state (a newcomer that healed from no
+  one, the run's first quorum): every member resumes from the per-step dense state, as a group
+  restart does (every shard back to its step; the steps since are trained again);
+- trainers only joined: every member goes on from the step it holds, each survivor from its own
+  state and each newcomer from the state it healed from a peer at the quorum; nothing is trained
+  again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recsys.group import TrainerGroup
+from recsys.quorum.replica import PeerLost, Quorum, Regroup, Replica
+
+MAX_QUORUM_TRIES = 20  # quorums in a row that fail (a member died in the middle of forming one)
+
+
+@dataclass
+class Epoch:
+    """What a trainer built for a quorum is given: its group, and how the quorum came about."""
+
+    group: TrainerGroup
+    replica: Replica
+    index: int
+    """This trainer's index (``trainer:R`` names it; its chunks and shards follow its rank)."""
+    quorum_id: int
+    """The quorum this trainer was built for: another at a step's start ends it."""
+    start_state: dict | None = None
+    """The state to go on from (a survivor's own, a newcomer's healed one); None: the dense state's."""
+    left: list[int] = field(default_factory=list)
+    joined: list[int] = field(default_factory=list)
+    heal_s: float = 0.0
+    """The longest a newcomer of this quorum took to heal from its peer."""
+    detected_at: float = 0.0
+    """When this trainer saw the quorum change (a failed collective, a new quorum)."""
+    finishing: Callable[[], None] = lambda: None
+    """Called as the trainer finishes training (the launcher starts no replacement after)."""
+
+
+def state_bytes(trainer, step: int) -> bytes:
+    """The trainer's state as of ``step`` (its last completed), in the dense state's format: what
+    it offers a peer that heals from it."""
+    from recovery.durable.dense import to_bytes
+
+    return bytes(to_bytes(trainer.dense_saver.snapshot(step, trainer.state_dict(step))))
+
+
+def agree(group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q: Quorum, has_state: bool) -> np.ndarray:
+    """One collective of the new quorum: -> [left flags, joined flags, heal ms] per trainer index,
+    and whether any member holds no state to go on from."""
+    n = max(cfg.train.trainers, 1 + max(q.members))
+    v = np.zeros(3 * n + 1, dtype=np.int64)
+    if prev is not None:
+        for i in set(prev) - set(q.members):
+            v[i] = 1
+    elif os.environ.get("RECSYS_REPLACEMENT"):  # a replacement's first quorum: it joined
+        v[n + index] = 1
+        v[2 * n + index] = int(q.seconds * 1000)
+    v[3 * n] = 0 if has_state else 1
+    return group.max_flags(v)
+
+
+def train_replica(
+    cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str, hooks: Hooks
+) -> dict | None:
+    """Train as trainer ``index`` of the quorum until the run ends; -> rank 0's summary at the end
+    (None elsewhere, and for a replacement that came after the others finished)."""
+    from recovery.durable.dense import from_bytes
+    from recsys.trainer import Trainer
+
+    replica = Replica(index, lighthouse, cfg.recovery.trainer_timeout)
+    try:
+        prev: tuple[int, ...] | None = None
+        live: dict | None = None
+        detected = time.time()
+        hooks.wait_ready()
+        q = _quorum(replica, 0)
+        while True:
+            if prev is None and len(q.members) == 1 and hooks.has_ended():
+                return None  # a replacement alone at a run that ended meanwhile
+            group = TrainerGroup(len(q.members), q.rank, cfg.train.chunks or cfg.train.trainers, comm=replica.comm)
+            healed = None
+            if q.healed is not None:
+                healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
+            has_state = live is not None or healed is not None
+            try:
+                v = agree(group, cfg, index, prev, q, has_state)
+            except PeerLost:
+                prev, live, detected = q.members, None, time.time()
+                q = _quorum(replica, 0)
+                continue
+            n = (len(v) - 1) // 3
+            left = [i for i in range(n) if v[i]]
+            fresh = bool(left) or bool(v[3 * n])
+            epoch = Epoch(
+                group,
+                replica,
+                index,
+                q.quorum_id,
+                start_state=None if fresh else (live if live is not None else healed),
+                left=left,
+                joined=[i for i in range(n) if v[n + i]],
+                heal_s=float(v[2 * n : 3 * n].max()) / 1000,
+                detected_at=detected,
+                finishing=hooks.finishing,
+            )
+            trainer = Trainer(cfg, urls, namespace, len(q.members), q.rank, specs, epoch=epoch)
+            prev = q.members
+            try:
+                return trainer.train()
+            except Regroup as r:
+                q, live, detected = r.quorum, r.live, time.time()
+            except PeerLost as e:
+                trainer.recovery.journal.note(f"trainer {index}: {e}; the step is discarded, the quorum forms again")
+                live, detected = None, time.time()
+                q = _quorum(replica, 0)
+    finally:
+        replica.close()
+
+
+def _quorum(replica: Replica, step: int) -> Quorum:
+    """A quorum, tried again while forming one fails (a member died while it formed)."""
+    for _ in range(MAX_QUORUM_TRIES - 1):
+        try:
+            return replica.quorum(step)
+        except PeerLost as e:
+            print(f"trainer {replica.index}: {e}; trying again", file=sys.stderr)
+            time.sleep(0.2)
+    return replica.quorum(step)
+
+
+def replica_main(
+    cfg_dict: dict,
+    urls: list[str],
+    namespace: str,
+    specs: list[dict],
+    index: int,
+    lighthouse: str,
+    results,
+    replacement: bool = False,
+    ended=None,
+    ready=None,
+) -> None:
+    """Entry point of one trainer process under ``--trainer-recovery replace`` (started by
+    ``recsys.quorum.supervisor``): an error ends it with exit status 3, its line and traceback in
+    the run folder's ``errors/`` (the launcher prints the line). ``replacement``: it replaces a dead
+    trainer; ``ended``: an event set once the trainers finish (a replacement that comes later has
+    nothing to do); ``ready``: a barrier of the run's first trainers (its first quorum has them all)."""
+    from embeddings.servers.launcher import ShardSpec
+    from recsys.config import RunConfig
+    from recsys.errors import report_error
+    from recsys.launch import default_signals
+
+    default_signals()
+    if replacement:
+        os.environ["RECSYS_REPLACEMENT"] = "1"
+    cfg = RunConfig.from_dict(cfg_dict)
+    try:
+        summary = train_replica(
+            cfg, urls, namespace, [ShardSpec(**s) for s in specs], index, lighthouse, Hooks(ended, ready)
+        )
+        if summary is not None:
+            results.put(summary)
+    except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
+        report_error(Path(cfg.train.out), f"trainer{index}", e)
+        raise SystemExit(3) from None
+
+
+@dataclass
+class Hooks:
+    """The launcher's events a trainer process meets (None: run without a launcher of ours)."""
+
+    ended: object = None
+    ready: object = None
+
+    def finishing(self) -> None:
+        if self.ended is not None:
+            self.ended.set()
+
+    def has_ended(self) -> bool:
+        return self.ended is not None and self.ended.is_set()
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.wait(timeout=300)

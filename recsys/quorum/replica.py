@@ -1,0 +1,227 @@
+"""A trainer's death stops no one (``--trainer-recovery replace``): each trainer is one torchft
+replica group, and the trainers meet at a quorum (torchft's Lighthouse) at the start of every step.
+
+One ``Replica`` per trainer process holds its ``torchft.Manager`` and the quorum's gloo group
+(``QuorumProcessGroup``, configured again by the manager whenever the quorum changes). Every
+collective of the trainer runs on that group (``QuorumComm``, the ``TrainerGroup``'s ``comm``); a
+collective that fails (a peer died, or stayed silent past ``--trainer-timeout``) raises ``PeerLost``.
+
+A step: the quorum (``Replica.quorum``; unchanged: on), the step under the tier's commit protocol,
+then ``should_commit``. The quorum changes, a collective fails or a step is not committed: the
+trainer's loop ends (``Regroup`` or ``PeerLost``, ``recsys.quorum.regroup``), the trainers of the new
+quorum agree where to go on from, and each builds its trainer again in the same process (no torch
+import, no new process): a trainer left, or a step was cut short, and every trainer resumes from
+the per-step dense state (every shard back to its step, the undo records taking back what a
+discarded step wrote, as a group restart does); a trainer only joined, and the others go on from
+the step they were at, the newcomer healed from a live peer through torchft's checkpoint transport
+(the peer's dense model, optimizer and run state, as bytes). The chunks of each step are fixed (one
+per trainer the run started with) and reduced in chunk order, so the quorum's size never changes
+the arithmetic: survivors train a dead trainer's chunks beside their own, and the run ends
+bit-identical to a run without the death.
+
+Timeouts: a trainer's manager heartbeats every ``HEARTBEAT_S``; the Lighthouse drops one silent for
+``HEARTBEAT_TIMEOUT_S`` (a killed trainer's detection time). A slow trainer that still heartbeats is
+waited for at the quorum, and within a collective for ``--trainer-timeout`` seconds, after which
+the step is discarded and the quorum forms again (with it, while it heartbeats).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+HEARTBEAT_S = 0.1
+HEARTBEAT_TIMEOUT_S = 1.0
+QUORUM_TICK_MS = 10
+JOIN_TIMEOUT_S = 1.0  # a quorum with a trainer heartbeating but not yet asking waits this long for it
+QUORUM_TIMEOUT_S = 600.0  # a quorum waits this long for its members (a slow step, a long restore)
+
+
+class PeerLost(RuntimeError):
+    """A collective of the quorum failed: a trainer died or stayed silent past the timeout."""
+
+
+class Regroup(Exception):
+    """The quorum changed at a step's start: the trainers regroup (``recsys.quorum.regroup``)."""
+
+    def __init__(self, quorum: Quorum, live: dict | None) -> None:
+        super().__init__(f"the quorum changed: trainers {list(quorum.members)}")
+        self.quorum, self.live = quorum, live
+
+
+@dataclass(frozen=True)
+class Quorum:
+    quorum_id: int
+    members: tuple[int, ...]
+    """The trainers (their indices) of the quorum, in rank order."""
+    rank: int
+    healed: bytes | None
+    """The state healed from a peer at this quorum (``recsys.quorum.regroup.state_bytes``), or None."""
+    seconds: float
+
+
+def quiet_torchft() -> None:
+    """torchft's per-step info and its warning that no NCCL flight recorder runs (gloo on CPU)."""
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("RUST_LOG", "error")
+
+
+def start_lighthouse(min_replicas: int = 1, bind: str = "127.0.0.1:0"):
+    """A Lighthouse on loopback (a run on one machine); -> the server (``.address()``)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+        quorum_tick_ms=QUORUM_TICK_MS,
+        heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000),
+    )
+
+
+def _quorum_group_class():
+    from torchft.process_group import ProcessGroupGloo
+
+    class QuorumProcessGroup(ProcessGroupGloo):
+        """torchft's gloo group, which also keeps the quorum it was configured for."""
+
+        members: tuple[int, ...] = ()
+        quorum_id: int = -1
+
+        def configure(
+            self,
+            store_addr,
+            replica_id,
+            rank,
+            world_size,
+            quorum_id=None,
+            group_rank=None,
+            group_world_size=None,
+            global_ranks=None,
+        ) -> None:
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+            self.members = tuple(int(r) for r in global_ranks or ())
+            self.quorum_id = -1 if quorum_id is None else int(quorum_id)
+
+    return QuorumProcessGroup
+
+
+class QuorumComm:
+    """``TrainerGroup``'s collectives on the quorum's group; one that fails raises ``PeerLost``."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def _wait(self, what: str, start: Callable[[], object]) -> None:
+        try:
+            start().wait()  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - gloo's errors: connection closed, timed out
+            raise PeerLost(f"{what} on the trainers' quorum failed: {str(e).splitlines()[0][:200]}") from None
+
+    def barrier(self) -> None:
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        t = torch.zeros(1)
+        self._wait("a barrier", lambda: self.pg.allreduce([t], AllreduceOptions()))
+
+    def all_reduce(self, t: torch.Tensor, op=None) -> None:
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM if op is None else op
+        self._wait("an all-reduce", lambda: self.pg.allreduce([t], opts))
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        from torch.distributed.distributed_c10d import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self._wait("a broadcast", lambda: self.pg.broadcast([t], opts))
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self._wait("an all-gather", lambda: self.pg.allgather([out], [t], AllgatherOptions()))
+
+
+class Replica:
+    """One trainer's side of the quorum: its manager, the quorum's group, what it offers a peer
+    that heals from it and what it healed."""
+
+    def __init__(self, index: int, lighthouse: str, timeout_s: float) -> None:
+        from torch.distributed import TCPStore
+        from torchft import Manager
+
+        quiet_torchft()
+        self.index = index
+        # the replica group's own store (one trainer a group); the quorum's gloo group meets on the
+        # store of the quorum's first member
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = _quorum_group_class()(timeout=timeout)
+        self.comm = QuorumComm(self.pg)
+        self.offer: Callable[[], bytes] = lambda: b""
+        self._healed: bytes | None = None
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._heal,
+            state_dict=self._offer,
+            min_replica_size=1,
+            use_async_quorum=False,  # a newcomer heals before its first step
+            timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
+            connect_timeout=datetime.timedelta(seconds=60),
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=self.store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"trainer_{index}",
+            hostname="127.0.0.1",
+            heartbeat_interval=datetime.timedelta(seconds=HEARTBEAT_S),
+            init_sync=False,  # every trainer starts from the same seed, or from the dense state
+        )
+
+    def _offer(self) -> dict:
+        data = self.offer()
+        return {
+            "state": torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        }
+
+    def _heal(self, state: dict) -> None:
+        t = state["state"]
+        self._healed = t.numpy().tobytes() if t.numel() else None
+
+    def quorum(self, step: int) -> Quorum:
+        """The quorum of this step (``step``: the steps this trainer holds; one behind the others
+        heals from a peer that holds the most, here, before it returns)."""
+        self._healed = None
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        err = self.manager.errored()
+        if err is not None:
+            raise PeerLost(f"the quorum failed: {str(err.original_exception).splitlines()[0][:200]}")
+        rank = self.manager.participating_rank()
+        if rank is None:  # pragma: no cover - a synchronous quorum always places its members
+            raise PeerLost("this trainer is not placed in the quorum")
+        return Quorum(self.pg.quorum_id, self.pg.members, int(rank), self._healed, time.perf_counter() - t0)
+
+    def commit(self) -> bool:
+        """torchft's decision for the step: False where its group failed."""
+        return bool(self.manager.should_commit())
+
+    def close(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # noqa: BLE001 - the process ends anyway
+            pass

@@ -1,0 +1,163 @@
+"""The launcher's side of ``--trainer-recovery replace``: the run's Lighthouse, its trainers, and a
+dead trainer started again alone while the others go on.
+
+The Lighthouse runs in the launching process on loopback (``--lighthouse host:port`` joins one that
+runs elsewhere: trainers on several machines form one run). Each trainer is a process of its own
+(``recsys.quorum.regroup.replica_main``). One that dies (a signal, an injected failure) is
+started again after ``--restart-delay`` seconds, up to ``--max-restarts`` times in all; the others
+meet it at a quorum when it is ready. A trainer that reports an error ends the run with that
+error's line (the others are stopped). Every process started here is stopped on every way out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import sys
+import time
+from pathlib import Path
+
+from recovery.durable import layout
+from recovery.durable.files import append_line, read_lines
+from recsys.errors import TrainerFailed, read_errors
+
+POLL_S = 0.05
+END_GRACE_S = 120.0  # once the run ended, trainers still running get this long to end too
+
+
+def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: str) -> dict | None:
+    """Run the trainers as replica groups until the run ends; -> rank 0's summary."""
+    from recsys.quorum.regroup import replica_main
+    from recsys.quorum.replica import quiet_torchft, start_lighthouse
+
+    quiet_torchft()
+    lighthouse = None
+    address = cfg.recovery.lighthouse
+    if not address:
+        lighthouse = start_lighthouse()
+        address = lighthouse.address()
+    ctx = multiprocessing.get_context(start_method)
+    results = ctx.Queue()
+    ended = ctx.Event()  # set by the trainers as they finish: a replacement that comes later stops
+    ready = ctx.Barrier(cfg.train.trainers)  # the first quorum has every trainer in it
+    specs_d = [s.__dict__.copy() for s in specs]
+    out = Path(cfg.train.out)
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
+
+    def start(i: int, replacement: bool) -> None:
+        p = ctx.Process(
+            target=replica_main,
+            args=(cfg.to_dict(), urls, namespace, specs_d, i, address, results),
+            kwargs={"replacement": replacement, "ended": ended, "ready": None if replacement else ready},
+            name=f"trainer{i}",
+        )
+        p.start()
+        procs[i] = p
+
+    sup = _Supervisor(cfg, out, procs, ended)
+    try:
+        for i in range(cfg.train.trainers):
+            start(i, replacement=False)
+        summary = None
+        while procs or sup.pending:
+            summary = _drain(results, summary)
+            for i in sup.reap():
+                start(i, replacement=True)
+            time.sleep(POLL_S)
+        return _drain(results, summary)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+
+
+def _drain(results, summary: dict | None) -> dict | None:
+    try:
+        while True:
+            summary = results.get_nowait()
+    except queue.Empty:
+        return summary
+
+
+class _Supervisor:
+    """Which trainers ended how, and which to start again when."""
+
+    def __init__(self, cfg, out: Path, procs: dict, ended) -> None:
+        self.cfg, self.out, self.procs, self.ended = cfg, out, procs, ended
+        self.pending: dict[int, float] = {}  # trainer -> when its replacement starts
+        self.replaced = 0
+        self.seen: dict[int, float] = {}  # trainer -> when its last death was met here
+        self.started = time.time()
+        self.ended_at: float | None = None
+
+    def reap(self) -> list[int]:
+        """Trainers that exited since the last call met; -> the trainers to start again now."""
+        for i, p in list(self.procs.items()):
+            if p.exitcode is None:
+                continue
+            del self.procs[i]
+            if p.exitcode == 0:
+                self.ended_at = self.ended_at or time.time()
+            elif p.exitcode == 3:
+                self._fatal(i)
+            else:
+                self._died(i, p.exitcode)
+        now = time.time()
+        if self.ended.is_set() or self.ended_at is not None:
+            self.pending.clear()  # the run ended: nobody to replace
+            if self.ended_at is not None and now - self.ended_at > END_GRACE_S:
+                for p in self.procs.values():
+                    p.kill()
+        due = [i for i, when in self.pending.items() if now >= when]
+        for i in due:
+            del self.pending[i]
+        return due
+
+    def _fatal(self, i: int) -> None:
+        errors = read_errors(self.out)
+        err = errors.get(f"trainer{i}") or {"line": "exited with status 3"}
+        for p in self.procs.values():
+            p.kill()
+        raise TrainerFailed(f"trainer {i}: {err['line']} (traceback in {layout.errors_dir(self.out)})")
+
+    def _died(self, i: int, code: int) -> None:
+        import signal
+
+        why = (
+            signal.Signals(-code).name
+            if code < 0 and -code in signal.Signals._value2member_map_
+            else f"exit status {code}"
+        )
+        if self.ended.is_set():
+            return  # the run ended meanwhile: a replacement has nothing left to do
+        deaths = read_lines(layout.trainer_failures_file(self.out))
+        since = self.seen.get(i, self.started)
+        self.seen[i] = time.time()
+        if not any(d.get("rank") == i and d.get("time", 0) >= since for d in deaths):
+            # not injected: what this supervisor saw (the survivors' record reads it)
+            append_line(
+                layout.trainer_failures_file(self.out),
+                {"kind": "trainer", "rank": i, "step": None, "time": time.time()},
+            )
+        budget = self.cfg.recovery.max_restarts
+        if self.replaced >= budget:
+            if not self.procs:
+                raise TrainerFailed(
+                    f"trainer {i} died ({why}), the last one, after {self.replaced} replacement(s) of {budget}"
+                )
+            print(
+                f"\ntrainer {i} died ({why}); the others go on without it ({budget} replacement(s) used)",
+                file=sys.stderr,
+            )
+            return
+        self.replaced += 1
+        delay = self.cfg.recovery.restart_delay
+        when = f" in {delay:g} s" if delay else ""
+        print(
+            f"\ntrainer {i} died ({why}); the others go on, its replacement starts{when} ({self.replaced}/{budget})",
+            file=sys.stderr,
+        )
+        self.pending[i] = time.time() + delay
