@@ -219,7 +219,33 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "recovery",
         "max_restarts",
         int,
-        "trainer group restarts after a trainer dies (0: off); while on, rank 0 saves the dense state each step",
+        "trainers started again after deaths (replace: one at a time; restart: the group; 0: off); "
+        "while on, rank 0 saves the dense state each step",
+    ),
+    "--trainer-recovery": (
+        "recovery",
+        "trainer_recovery",
+        str,
+        "a trainer's death: replace (the others go on at a new quorum, only it starts again, healed from a "
+        "peer; bit-identical) or restart (the whole group starts again); auto: replace with 2+ trainers",
+    ),
+    "--lighthouse": (
+        "recovery",
+        "lighthouse",
+        str,
+        "with replace: host:port of a running torchft Lighthouse to join (default: one on loopback for the run)",
+    ),
+    "--restart-delay": (
+        "recovery",
+        "restart_delay",
+        float,
+        "seconds before a dead trainer (replace) or the group (restart) starts again: a slower host",
+    ),
+    "--trainer-timeout": (
+        "recovery",
+        "trainer_timeout",
+        float,
+        "with replace: seconds a collective waits for a live but slow trainer before the step is discarded",
     ),
 }
 

@@ -281,6 +281,8 @@ class Trainer:
                 bar.close()  # the line after it (an error, the summary) starts on a line of its own
             if self.injector is not None:
                 self.injector.close()
+            if self.epoch is not None and self.checkpointer is not None:
+                self.checkpointer.settle()  # its background copy ends before the next trainer of this process starts
             self.recovery.close()
             self.backend.close()
             self.reader.close()
@@ -605,8 +607,8 @@ class Trainer:
         if out.rolled_back:
             self.roll_back(out.to_step)
         if epoch is not None:
-            for i in epoch.joined:
-                self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s)
+            for i, from_peer in epoch.joined.items():
+                self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s, from_peer)
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

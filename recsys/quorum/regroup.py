@@ -41,7 +41,9 @@ class Epoch:
     start_state: dict | None = None
     """The state to go on from (a survivor's own, a newcomer's healed one); None: the dense state's."""
     left: list[int] = field(default_factory=list)
-    joined: list[int] = field(default_factory=list)
+    joined: dict[int, bool] = field(default_factory=dict)
+    """The trainers that joined this quorum, and whether each healed from a peer (else: from the
+    per-step dense state, with the others)."""
     heal_s: float = 0.0
     """The longest a newcomer of this quorum took to heal from its peer."""
     detected_at: float = 0.0
@@ -66,8 +68,8 @@ def agree(group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q:
     if prev is not None:
         for i in set(prev) - set(q.members):
             v[i] = 1
-    elif os.environ.get("RECSYS_REPLACEMENT"):  # a replacement's first quorum: it joined
-        v[n + index] = 1
+    elif os.environ.get("RECSYS_REPLACEMENT"):  # a replacement's first quorum: it joined (2: healed from a peer)
+        v[n + index] = 2 if q.healed is not None else 1
         v[2 * n + index] = int(q.seconds * 1000)
     v[3 * n] = 0 if has_state else 1
     return group.max_flags(v)
@@ -112,7 +114,7 @@ def train_replica(
                 q.quorum_id,
                 start_state=None if fresh else (live if live is not None else healed),
                 left=left,
-                joined=[i for i in range(n) if v[n + i]],
+                joined={i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
                 heal_s=float(v[2 * n : 3 * n].max()) / 1000,
                 detected_at=detected,
                 finishing=hooks.finishing,

@@ -31,6 +31,7 @@ import datetime
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +68,12 @@ class Quorum:
 
 
 def quiet_torchft() -> None:
-    """torchft's per-step info and its warning that no NCCL flight recorder runs (gloo on CPU)."""
+    """torchft's per-step info, its warning that no NCCL flight recorder runs (gloo on CPU) and its
+    transport's warnings about torch's own calls: nothing the user can act on."""
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("RUST_LOG", "error")
+    warnings.filterwarnings("ignore", module=r"torchft\.")
 
 
 def start_lighthouse(min_replicas: int = 1, bind: str = "127.0.0.1:0"):
@@ -160,6 +163,7 @@ class Replica:
     def __init__(self, index: int, lighthouse: str, timeout_s: float) -> None:
         from torch.distributed import TCPStore
         from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
 
         quiet_torchft()
         self.index = index
@@ -189,6 +193,8 @@ class Replica:
             hostname="127.0.0.1",
             heartbeat_interval=datetime.timedelta(seconds=HEARTBEAT_S),
             init_sync=False,  # every trainer starts from the same seed, or from the dense state
+            # a newcomer's state comes over the quorum's own gloo group (no HTTP server to open)
+            checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")),
         )
 
     def _offer(self) -> dict:
