@@ -43,29 +43,16 @@ def build_recovery(
     warn: Callable[[str], None] | None = None,
     trainer_index: int | None = None,
 ) -> RecoveryParts:
-    """The recovery of one trainer over ``store`` (None: the local baseline, nothing to recover),
-    from the run's config, read where it is declared: its ``[recovery]`` section, the write path of
-    ``[embeddings]``, the run's folders. ``drain``: drops prefetched rows after a restore;
-    ``committer_of``: the dense state saver's commit (``DenseSaver.committer``); ``warn``: where an
-    abandoned checkpoint's line goes; ``trainer_index``: the trainer ``trainer:R`` names, where it
-    is not its rank (``--trainer-recovery replace``, whose ranks follow the quorum)."""
+    """The recovery of one trainer over ``store`` (None: the local baseline) from the run's config,
+    read where it is declared. ``drain``: drops prefetched rows after a restore; ``committer_of``:
+    the dense state saver's commit; ``warn``: where an abandoned checkpoint's line goes;
+    ``trainer_index``: the trainer ``trainer:R`` names under ``--trainer-recovery replace``."""
     if store is None:
         return RecoveryParts(NoRecovery(), None, None)
     rc, world, n = cfg.recovery, collective.world_size, store.num_shards
     strategy = Strategy(rc.recovery)
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
-    pidfiles = [s.pidfile for s in specs] if specs else [None] * n
-    injector = Injector(
-        list(rc.injections),
-        rank,
-        pidfiles,
-        Path(cfg.train.out),
-        cfg.train.trainers if trainer_index is not None else world,
-        urls=store.urls,
-        log_dir=log_dir,
-        dense_path=layout.dense_latest(cfg.checkpoint_dir),
-        index=trainer_index,
-    )
+    injector = _injector(cfg, rank, world, store, specs, trainer_index)
     mine = {s for s in range(n) if s % world == rank}  # the shards this trainer writes
     logs = {s: ShardLog(log_dir, s, rc.log_fsync) for s in sorted(mine)} if log_dir else {}
     priority, flusher = row_savers(cfg, store, strategy, mine)
@@ -115,6 +102,22 @@ def build_recovery(
     )
     manager.journal.trainer_recovery = "replace" if trainer_index is not None else "restart"
     return RecoveryParts(manager, ckpt, injector)
+
+
+def _injector(cfg: RunConfig, rank: int, world: int, store: RedisStore, specs, trainer_index: int | None) -> Injector:
+    """The injector of this trainer's ``--inject`` failures (``trainer_index``: see ``build_recovery``)."""
+    injector = Injector(
+        list(cfg.recovery.injections),
+        rank,
+        [s.pidfile for s in specs] if specs else [None] * store.num_shards,
+        Path(cfg.train.out),
+        cfg.train.trainers if trainer_index is not None else world,
+        urls=store.urls,
+        log_dir=cfg.log_dir or None,
+        dense_path=layout.dense_latest(cfg.checkpoint_dir),
+    )
+    injector.index = rank if trainer_index is None else trainer_index
+    return injector
 
 
 def row_savers(

@@ -157,10 +157,11 @@ class Injector:
         urls: list[str] | None = None,
         log_dir: str | os.PathLike | None = None,
         dense_path: str | os.PathLike | None = None,
-        index: int | None = None,
     ) -> None:
         self.injections = list(injections)
-        self.index = rank if index is None else index  # the trainer ``trainer:R`` and ``node:R`` name
+        # the trainer ``trainer:R`` and ``node:R`` name: its rank, or under --trainer-recovery
+        # replace (ranks follow the quorum) its index, set by ``recovery.factory``
+        self.index = rank
         self.log_dir = Path(log_dir) if log_dir else None  # corrupt-log's target
         self.dense_path = Path(dense_path) if dense_path else None  # corrupt-dense's
         self.rank = rank

@@ -174,16 +174,18 @@ class Journal:
             }
         )
 
-    def note_rejoin(self, index: int, step: int, heal_s: float, from_peer: bool) -> None:
+    def note_rejoin(self, index: int, step: int, heal_s: float, from_peer: bool, dense_equal: bool) -> None:
         """Rank 0: trainer ``index``'s replacement trains from ``step``, healed in ``heal_s`` from a
         live peer (``from_peer``; else from the per-step dense state, with the others): the newest
-        record of its death says so (rewritten in place), and one line."""
+        record of its death says so (rewritten in place), and one line. ``dense_equal``: its dense
+        model and optimizer state equal every other trainer's, bit for bit, as it joins."""
         if self.rank != 0 or self.run_dir is None:
             return
         for rec in reversed(self.failures):
             if rec.get("strategy") == "replace" and rec.get("target") == index and rec.get("rejoin_step") is None:
                 rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
                 rec["healed_from"] = "peer" if from_peer else "dense state"
+                rec["dense_equal_at_rejoin"] = dense_equal
                 lines = "".join(json.dumps(r) + "\n" for r in self.failures)
                 write_atomic(layout.failures_file(self.run_dir), lines)
                 how = f"healed from a live peer in {heal_s:.2f} s" if from_peer else "from the per-step dense state"

@@ -483,14 +483,7 @@ class RecoveryConfig:
             "must be >= 0 (0: never stop)",
         )
         _check(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
-        _check(
-            self.trainer_recovery in ("auto", "replace", "restart"),
-            "trainer_recovery",
-            self.trainer_recovery,
-            "must be auto, replace or restart",
-        )
-        _check(self.restart_delay >= 0, "restart_delay", self.restart_delay, "must be >= 0")
-        _check(self.trainer_timeout > 0, "trainer_timeout", self.trainer_timeout, "must be > 0")
+        self._check_trainers()
         if self.train_through:
             from recovery.restore.through import THROUGH
 
@@ -526,6 +519,18 @@ class RecoveryConfig:
                 _check(
                     strategy.replays_log or bool(self.log_dir), "inject", str(inj), "needs update logs (--recovery log)"
                 )
+
+    def _check_trainers(self) -> None:
+        """What a trainer's death costs: the mode, the delay, the collectives' timeout."""
+        modes = ("auto", "replace", "restart")
+        _check(
+            self.trainer_recovery in modes,
+            "trainer_recovery",
+            self.trainer_recovery,
+            "must be auto, replace or restart",
+        )
+        _check(self.restart_delay >= 0, "restart_delay", self.restart_delay, "must be >= 0")
+        _check(self.trainer_timeout > 0, "trainer_timeout", self.trainer_timeout, "must be > 0")
 
     def _check_interval(self) -> None:
         """``checkpoint_every``: a step count, or ``auto`` with an ``mtbf`` and a ``target_pls``."""
@@ -676,17 +681,12 @@ class RunConfig:
 
     @property
     def replaces_trainers(self) -> bool:
-        """A trainer's death is met by ``--trainer-recovery replace`` (``auto``: more than one
-        trainer on the Redis tier, chunks reduced in chunk order, not under torchrun)."""
-        mode = self.recovery.trainer_recovery
+        """``--trainer-recovery replace``, or ``auto`` with 2+ trainers on the tier, chunks, no torchrun."""
+        mode, t = self.recovery.trainer_recovery, self.train
         if mode != "auto":
             return mode == "replace"
-        return (
-            self.train.trainers > 1
-            and self.embeddings.embeddings == "redis"
-            and self.train.dense_reduce == "chunks"
-            and "TORCHELASTIC_RUN_ID" not in os.environ
-        )
+        tier = self.embeddings.embeddings == "redis" and "TORCHELASTIC_RUN_ID" not in os.environ
+        return t.trainers > 1 and t.dense_reduce == "chunks" and tier
 
     @property
     def checkpoint_dir(self) -> str:

@@ -12,8 +12,11 @@ gives back to write the traceback when the disk is full.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import json
 import os
+import signal
+import threading
 import traceback
 from pathlib import Path
 
@@ -100,3 +103,16 @@ def read_errors(run_dir: Path) -> dict[str, dict]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def default_signals() -> None:
+    """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
+    SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
+    process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -20,7 +20,6 @@ _TORCH_FRESH = "torch" not in sys.modules  # torch is first imported below: noth
 import contextlib
 import dataclasses
 import datetime
-import faulthandler
 import gc
 import logging
 import multiprocessing
@@ -42,7 +41,7 @@ from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
-from recsys.errors import TrainerFailed, read_errors, report_error
+from recsys.errors import TrainerFailed, default_signals, read_errors, report_error
 from recsys.results.rundir import (
     OutLock,
     check_resume,
@@ -323,19 +322,6 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
 
 
 # -- one trainer process ---------------------------------------------------------------------------
-def default_signals() -> None:
-    """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
-    SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started
-    process's defaults instead (it ends at once; Ctrl-C is KeyboardInterrupt)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    # kill -USR1: every thread's stack on stderr, the process runs on (where a stuck run waits)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-
 def torchrun_namespace(cfg: RunConfig, urls: list[str], namespace: str, rank: int, world: int, claim: dict) -> str:
     """Under torchrun: rank 0 picks the run's id and (without ``--namespace``) a namespace unique to
     this launch, claims it on the shards and records both in the run folder; every rank gets the

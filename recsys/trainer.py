@@ -46,8 +46,8 @@ from recsys.datasets import sources
 from recsys.errors import reserve_space
 from recsys.group import TrainerGroup
 from recsys.model import dense_optimizer, dense_params
-from recsys.quorum.regroup import Epoch, state_bytes
-from recsys.quorum.replica import PeerLost, Regroup
+from recsys.quorum.epoch import Epoch, dense_crc, meet_quorum, same_everywhere
+from recsys.quorum.replica import PeerLost
 from recsys.results.final_model import digest, final_keeper, keep_model, save_model_file
 from recsys.results.metrics import evaluate_scores
 from recsys.results.outputs import NullOutputs, RunOutputs
@@ -338,7 +338,7 @@ class Trainer:
         self._t_step = time.perf_counter()
         self.clock.start(self._t_step)
         if self.epoch is not None:
-            self.meet_quorum(step)
+            meet_quorum(self, step)  # --trainer-recovery replace
         self.recovery.poll_outage(step)  # shards restored in the background rejoin here (--train-through)
         if self.injector is not None:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
@@ -365,16 +365,6 @@ class Trainer:
             raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
         clock.lap("waiting")
         return out, nxt, loss
-
-    def meet_quorum(self, step: int) -> None:
-        """``--trainer-recovery replace``: the quorum of this step; a changed one ends this trainer
-        (``Regroup``, with the state it holds: a peer that joins heals from it meanwhile)."""
-        replica = self.epoch.replica
-        replica.offer = lambda: state_bytes(self, step - 1)
-        q = replica.quorum(step - 1)
-        if q.quorum_id != self.epoch.quorum_id:
-            self.recovery.writer.settle_behind()  # this trainer's rows of step - 1 on their shards
-            raise Regroup(q, self.state_dict(step - 1))
 
     def forward_backward(self, batch, nxt) -> torch.Tensor:
         """Each of this trainer's chunks of the step (``batch``: one, or a list) forward and backward on
@@ -607,8 +597,10 @@ class Trainer:
         if out.rolled_back:
             self.roll_back(out.to_step)
         if epoch is not None:
-            for i, from_peer in epoch.joined.items():
-                self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s, from_peer)
+            if epoch.joined:  # the newcomers hold what every other trainer holds, bit for bit
+                equal = same_everywhere(self.group, dense_crc(self))
+                for i, from_peer in epoch.joined.items():
+                    self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s, from_peer, equal)
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

@@ -1,5 +1,6 @@
-"""Chaos on real processes: 2 trainers (torch elastic, gloo), 3 redis-server shards, failures at
-random wall-clock moments (shard kills, a stall, a trainer kill, a node failure) in one run.
+"""Chaos on real processes: 2 trainers (a torchft quorum over gloo under ``--trainer-recovery
+replace``, the default; torch elastic under ``restart``), 3 redis-server shards, failures at random
+wall-clock moments (shard kills, a stall, a trainer kill, a node failure) in one run.
 
 The moments are drawn from a seed printed with every failure message (``CHAOS_SEED=N`` replays
 one). Under ``log`` and ``full`` the run must end with the failure-free run's embeddings, bit for
@@ -45,6 +46,7 @@ def train(out: Path, *flags: str) -> dict:
 
 
 def chaos(out: Path, strategy: str, *more: str) -> tuple[dict, list[str]]:
+    """``more``: further flags (``--trainer-recovery restart``: the group restarts at a trainer's death)."""
     injections = schedule(SEED)
     flags = ["--recovery", strategy, *more]
     for spec in injections:
@@ -57,11 +59,12 @@ def baseline(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("chaos-base"), "--recovery", "log")
 
 
-def every_failure_fired_and_recorded(s: dict, injections: list[str], strategy: str) -> None:
+def every_failure_fired_and_recorded(s: dict, injections: list[str], strategy: str, trainers: str = "replace") -> None:
+    """``trainers``: how trainer deaths were met (``replace`` or ``restart``)."""
     msg = f"seed {SEED}: {injections}: {json.dumps(s['failures'])}"
     assert s["injections_not_fired"] == [], msg
     assert sorted(r["spec"] for r in s["injected"]) == sorted(str(parse_injection(x)) for x in injections), msg
-    restarts = {(f["kind"], f["target"]) for f in s["failures"] if f["strategy"] == "restart"}
+    restarts = {(f["kind"], f["target"]) for f in s["failures"] if f["strategy"] == trainers}
     trainer, node = (parse(injections[i]) for i in (2, 3))
     assert ("trainer", trainer) in restarts and ("node", node) in restarts, msg
     shard_records = [f for f in s["failures"] if f["strategy"] == strategy]
@@ -79,9 +82,10 @@ def parse(spec: str) -> int:
     return int(spec.split(":")[1].split("@")[0])
 
 
-def test_log_recovery_survives_chaos_bit_for_bit(tmp_path, baseline):
-    s, injections = chaos(tmp_path, "log")
-    every_failure_fired_and_recorded(s, injections, "log")
+@pytest.mark.parametrize("trainers", ["replace", "restart"])
+def test_log_recovery_survives_chaos_bit_for_bit(tmp_path, baseline, trainers):
+    s, injections = chaos(tmp_path, "log", "--trainer-recovery", trainers)
+    every_failure_fired_and_recorded(s, injections, "log", trainers)
     assert s["embedding_digest"] == baseline["embedding_digest"], f"seed {SEED}: {injections}"
     assert s["pls"] == 0.0 and s["steps_completed"] == 150
     # every trainer's logs are counted, not rank 0's alone: shard 1 is written by trainer 1

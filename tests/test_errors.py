@@ -2,6 +2,7 @@
 the traceback goes to the run folder. Real processes: the CLI, real redis-servers, real files."""
 
 import gzip
+import json
 import re
 import subprocess
 import sys
@@ -103,6 +104,8 @@ def test_an_error_inside_a_trainer_process_is_one_line_with_the_traceback_kept(t
 def test_a_trainer_killed_once_too_often_ends_in_one_line(tmp_path):
     proc = cli(
         tmp_path,
+        "--trainer-recovery",
+        "restart",
         "--trainers",
         "2",
         "--steps",
@@ -124,6 +127,25 @@ def test_a_trainer_killed_once_too_often_ends_in_one_line(tmp_path):
         lines[1],
     ), lines
     assert lines[2:] == ["error: trainer rank 0 died (SIGKILL) after 1 restart(s) of 1 (all used)"]
+
+
+def test_under_replace_a_trainer_killed_past_the_replacements_leaves_the_others_training(tmp_path):
+    """--trainer-recovery replace, one replacement allowed, trainer 1 then trainer 0 killed: the
+    first is replaced; past the replacements the survivor trains on alone (every chunk its own)
+    and the run ends well, each death in its lines."""
+    flags = ["--trainers", "2", "--steps", "12", "--max-restarts", "1"]
+    proc = cli(tmp_path, *flags, "--inject", "trainer:1@step=4", "--inject", "trainer:0@step=8")
+    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert "Traceback" not in proc.stderr and proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0] == "trainer 1 died (SIGKILL); the others go on, its replacement starts (1/1)"
+    assert re.fullmatch(
+        r"failure: trainer 1 at step 4: the other trainers went on from step [34] after [0-9.]+ s "
+        r"\([01] steps redone\), 0 samples lost; a replacement heals from them",
+        lines[1],
+    ), lines
+    assert "trainer 0 died (SIGKILL); the others go on without it (1 replacement(s) used)" in lines
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps_completed"] == 12 and [f["target"] for f in summary["failures"]] == [1, 0]
 
 
 def test_a_killed_shard_given_only_by_url_that_does_not_come_back_is_named(tmp_path):

@@ -16,48 +16,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from recsys.group import TrainerGroup
+from recsys.quorum.epoch import Epoch
 from recsys.quorum.replica import PeerLost, Quorum, Regroup, Replica
 
 MAX_QUORUM_TRIES = 20  # quorums in a row that fail (a member died in the middle of forming one)
-
-
-@dataclass
-class Epoch:
-    """What a trainer built for a quorum is given: its group, and how the quorum came about."""
-
-    group: TrainerGroup
-    replica: Replica
-    index: int
-    """This trainer's index (``trainer:R`` names it; its chunks and shards follow its rank)."""
-    quorum_id: int
-    """The quorum this trainer was built for: another at a step's start ends it."""
-    start_state: dict | None = None
-    """The state to go on from (a survivor's own, a newcomer's healed one); None: the dense state's."""
-    left: list[int] = field(default_factory=list)
-    joined: dict[int, bool] = field(default_factory=dict)
-    """The trainers that joined this quorum, and whether each healed from a peer (else: from the
-    per-step dense state, with the others)."""
-    heal_s: float = 0.0
-    """The longest a newcomer of this quorum took to heal from its peer."""
-    detected_at: float = 0.0
-    """When this trainer saw the quorum change (a failed collective, a new quorum)."""
-    finishing: Callable[[], None] = lambda: None
-    """Called as the trainer finishes training (the launcher starts no replacement after)."""
-
-
-def state_bytes(trainer, step: int) -> bytes:
-    """The trainer's state as of ``step`` (its last completed), in the dense state's format: what
-    it offers a peer that heals from it."""
-    from recovery.durable.dense import to_bytes
-
-    return bytes(to_bytes(trainer.dense_saver.snapshot(step, trainer.state_dict(step))))
 
 
 def agree(group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q: Quorum, has_state: bool) -> np.ndarray:
@@ -163,8 +131,7 @@ def replica_main(
     nothing to do); ``ready``: a barrier of the run's first trainers (its first quorum has them all)."""
     from embeddings.servers.launcher import ShardSpec
     from recsys.config import RunConfig
-    from recsys.errors import report_error
-    from recsys.launch import default_signals
+    from recsys.errors import default_signals, report_error
 
     default_signals()
     if replacement:

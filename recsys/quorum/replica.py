@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,17 +77,50 @@ def quiet_torchft() -> None:
     warnings.filterwarnings("ignore", module=r"torchft\.")
 
 
-def start_lighthouse(min_replicas: int = 1, bind: str = "127.0.0.1:0"):
-    """A Lighthouse on loopback (a run on one machine); -> the server (``.address()``)."""
-    from torchft.coordination import LighthouseServer
+class Lighthouse:
+    """torchft's Lighthouse as a process of its own (``torchft_lighthouse``, installed with
+    torchft), on loopback: its threads never live in the process that forks the trainers.
+    ``log``: where its output goes."""
 
-    return LighthouseServer(
-        bind=bind,
-        min_replicas=min_replicas,
-        join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
-        quorum_tick_ms=QUORUM_TICK_MS,
-        heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000),
-    )
+    def __init__(self, log: Path, min_replicas: int = 1) -> None:
+        import shutil
+        import socket
+        import subprocess
+        import sys
+
+        from embeddings.servers.launcher import free_port
+
+        exe = Path(sys.executable).with_name("torchft_lighthouse")
+        binary = str(exe) if exe.exists() else shutil.which("torchft_lighthouse")
+        if binary is None:
+            raise RuntimeError(
+                "torchft_lighthouse is not installed (pip install torchft); --trainer-recovery replace needs it"
+            )
+        port = free_port()
+        self.address = f"127.0.0.1:{port}"
+        cmd = [
+            binary, "--bind", self.address, "--min_replicas", str(min_replicas),
+            "--join_timeout_ms", str(int(JOIN_TIMEOUT_S * 1000)), "--quorum_tick_ms", str(QUORUM_TICK_MS),
+            "--heartbeat_timeout_ms", str(int(HEARTBEAT_TIMEOUT_S * 1000)),
+        ]  # fmt: skip
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the Lighthouse did not start on {self.address} (its output: {log})") from None
+                time.sleep(0.02)
+        self.url = f"http://{self.address}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def _quorum_group_class():

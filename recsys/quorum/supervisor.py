@@ -28,20 +28,22 @@ END_GRACE_S = 120.0  # once the run ended, trainers still running get this long 
 def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: str) -> dict | None:
     """Run the trainers as replica groups until the run ends; -> rank 0's summary."""
     from recsys.quorum.regroup import replica_main
-    from recsys.quorum.replica import quiet_torchft, start_lighthouse
+    from recsys.quorum.replica import Lighthouse, quiet_torchft
 
     quiet_torchft()
+    out = Path(cfg.train.out)
     lighthouse = None
     address = cfg.recovery.lighthouse
     if not address:
-        lighthouse = start_lighthouse()
-        address = lighthouse.address()
+        lighthouse = Lighthouse(out / "lighthouse.log")
+        address = lighthouse.url
+    elif "://" not in address:
+        address = f"http://{address}"
     ctx = multiprocessing.get_context(start_method)
     results = ctx.Queue()
     ended = ctx.Event()  # set by the trainers as they finish: a replacement that comes later stops
     ready = ctx.Barrier(cfg.train.trainers)  # the first quorum has every trainer in it
     specs_d = [s.__dict__.copy() for s in specs]
-    out = Path(cfg.train.out)
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
 
     def start(i: int, replacement: bool) -> None:
@@ -71,7 +73,7 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
                 p.kill()
             p.join(5)
         if lighthouse is not None:
-            lighthouse.shutdown()
+            lighthouse.close()
 
 
 def _drain(results, summary: dict | None) -> dict | None:

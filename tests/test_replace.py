@@ -1,0 +1,99 @@
+"""A trainer's death stops no one (``--trainer-recovery replace``): real trainer processes at a torchft
+quorum (a real Lighthouse, managers and gloo groups), real redis-servers, real SIGKILLs. The
+survivors go on at a new quorum training the dead trainer's chunks; only it starts again, healed
+from a live peer; under ``log`` the run ends bit-identical to the run without the death."""
+
+import json
+
+import pytest
+
+from recsys.results.verify import verify
+from tests.conftest import train_cli
+
+FLAGS = [
+    "--steps", "40", "--batch-size", "192", "--shards", "2", "--rows-per-table", "1000", "--eval-every", "0",
+    "--recovery", "log", "--checkpoint-every", "10", "--no-keep-model", "--embedding-dim", "8",
+]  # fmt: skip
+
+
+def _recovery_log(out) -> str:
+    return (out / "recovery.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The same run without a death (trainers restarted as a group, had one died: nothing to do)."""
+    return train_cli(tmp_path_factory.mktemp("ref") / "run", *FLAGS, "--trainers", "2", "--trainer-recovery", "restart")
+
+
+def test_a_trainer_death_costs_the_others_a_regroup_and_the_run_ends_bit_identical(tmp_path, reference):
+    out = tmp_path / "run"
+    # the replacement comes 2 s later: the survivor goes on alone, then the newcomer heals from it
+    s = train_cli(out, *FLAGS, "--trainers", "2", "--inject", "trainer:1@step=12", "--restart-delay", "2")
+    assert s["embedding_digest"] == reference["embedding_digest"]
+    assert s["final_auc"] == reference["final_auc"]
+    (rec,) = s["failures"]
+    assert rec["strategy"] == "replace" and rec["target"] == 1 and rec["step"] == 12
+    assert rec["samples_lost"] == 0 and rec["lost_updates"] == 0
+    # the survivor lost the death's detection (the Lighthouse's 1 s heartbeat timeout) and the
+    # regroup, not a restart of every process
+    assert 0 < rec["waited_s"] < 6, rec
+    assert rec["resumed_step"] <= 12 < rec["rejoin_step"] <= 40
+    assert rec["healed_from"] == "peer" and rec["heal_s"] >= 0
+    assert rec["dense_equal_at_rejoin"] is True  # the newcomer's dense state is its peer's, bit for bit
+    log = _recovery_log(out)
+    # the discarded step's rows were written (the kill comes after the dead trainer's writes) and
+    # taken back by their undo records before the step ran again
+    assert "shard 0 at step 12, rolled back" in log and "shard 1 at step 12, rolled back" in log
+    code, line = verify(out)
+    assert code == 0, line
+
+
+def test_the_replacement_joins_at_the_survivors_quorum_and_two_of_three_can_die(tmp_path, reference):
+    flags = [*FLAGS, "--trainers", "3", "--batch-size", "192"]
+    ref = train_cli(tmp_path / "ref", *flags, "--trainer-recovery", "restart")
+    s = train_cli(tmp_path / "run", *flags, "--inject", "trainer:1@step=9", "--inject", "trainer:2@step=9")
+    assert s["embedding_digest"] == ref["embedding_digest"]
+    recs = {r["target"]: r for r in s["failures"]}
+    assert sorted(recs) == [1, 2]
+    assert all(r["strategy"] == "replace" and r["samples_lost"] == 0 for r in recs.values())
+    assert all(r["rejoin_step"] is not None for r in recs.values())
+
+
+def test_restart_keeps_the_group_restart_for_comparison(tmp_path, reference):
+    s = train_cli(
+        tmp_path / "run", *FLAGS, "--trainers", "2", "--trainer-recovery", "restart", "--inject", "trainer:1@step=12"
+    )
+    assert s["embedding_digest"] == reference["embedding_digest"]
+    (rec,) = s["failures"]
+    assert rec["strategy"] == "restart"
+
+
+def test_replace_settings_are_checked_in_one_line():
+    from recsys.config import ConfigError, EmbeddingConfig, RecoveryConfig, RunConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="replace needs --trainers 2 or more"):
+        RunConfig(recovery=RecoveryConfig(trainer_recovery="replace"), train=TrainConfig(trainers=1))
+    with pytest.raises(ConfigError, match="replace needs --trainers 2 or more on the Redis tier"):
+        RunConfig(
+            recovery=RecoveryConfig(trainer_recovery="replace"),
+            embeddings=EmbeddingConfig(embeddings="local"),
+            train=TrainConfig(trainers=2),
+        )
+    with pytest.raises(ConfigError, match="trainer_recovery='swap': must be auto, replace or restart"):
+        RecoveryConfig(trainer_recovery="swap")
+    with pytest.raises(ConfigError, match="restart_delay=-1"):
+        RecoveryConfig(restart_delay=-1)
+    assert RunConfig(train=TrainConfig(trainers=2)).replaces_trainers
+    assert not RunConfig(train=TrainConfig(trainers=1)).replaces_trainers
+    assert not RunConfig(train=TrainConfig(trainers=2, dense_reduce="allreduce")).replaces_trainers
+
+
+def test_the_failure_line_says_the_others_went_on():
+    from recovery.journal import failure_line
+
+    line = failure_line(
+        {"kind": "trainer", "target": 1, "step": 12, "strategy": "replace", "waited_s": 1.3, "resumed_step": 12}
+    )
+    assert "trainer 1 at step 12: the other trainers went on from step 12 after 1.30 s" in line
+    assert json.dumps(line)
