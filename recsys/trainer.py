@@ -281,8 +281,8 @@ class Trainer:
                 bar.close()  # the line after it (an error, the summary) starts on a line of its own
             if self.injector is not None:
                 self.injector.close()
-            if self.epoch is not None and self.checkpointer is not None:
-                self.checkpointer.settle()  # its background copy ends before the next trainer of this process starts
+            if self.epoch is not None:  # its background work ends before the process builds the next trainer
+                self.recovery.settle()
             self.recovery.close()
             self.backend.close()
             self.reader.close()

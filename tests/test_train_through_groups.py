@@ -33,7 +33,8 @@ def base2(tmp_path_factory) -> tuple[Path, dict]:
 def test_two_trainers_train_and_evaluate_through_an_outage_and_a_trainer_kill(tmp_path, base2):
     out = tmp_path / "run"
     held = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:4"]  # still away at step 35
-    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *held, "--inject", "trainer:0@step=35")
+    kill = ["--trainer-recovery", "restart", "--inject", "trainer:0@step=35"]  # the group restarts
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *held, *kill)
     kinds = sorted(f["kind"] for f in s["failures"])
     assert kinds == ["shard", "shard", "trainer"], json.dumps(s["failures"])
     # the outage the trainer's death cut short keeps its record: its own step, the steps trained
@@ -60,6 +61,22 @@ def test_two_trainers_train_and_evaluate_through_an_outage_and_a_trainer_kill(tm
     # every trainer read the same rows: the evaluation at step 30 ran while shard 1 was away (every
     # trainer served its rows), and the restart at step 35 restored it from its log as a waiting restore
     assert aucs(out) == aucs(base2[0]) and 30 in dict(aucs(out))
+    assert s["embedding_digest"] == base2[1]["embedding_digest"]
+    assert verify(out)[0] == 0
+
+
+def test_under_replace_a_trainer_dies_while_a_shard_is_away_and_the_run_ends_bit_identical(tmp_path, base2):
+    """--trainer-recovery replace (the default with two trainers): the survivor goes on at a new
+    quorum while shard 1 is still away; the outage the death cut short keeps its record, the shard
+    is restored at the regroup, and the run ends as the run of no failure."""
+    out = tmp_path / "run"
+    held = ["--inject", "shard:1@step=25", "--inject", "slow-restore:1:4"]  # still away at step 35
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *held, "--inject", "trainer:0@step=35")
+    (death,) = [f for f in s["failures"] if f["kind"] == "trainer"]
+    assert death["strategy"] == "replace" and death["samples_lost"] == 0, json.dumps(death)
+    (cut,) = [f for f in s["failures"] if "cut_short" in f]
+    assert (cut["target"], cut["step"]) == (1, 25), json.dumps(cut)
+    assert aucs(out) == aucs(base2[0])
     assert s["embedding_digest"] == base2[1]["embedding_digest"]
     assert verify(out)[0] == 0
 

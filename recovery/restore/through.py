@@ -317,6 +317,14 @@ class TrainThrough:
             self._thread.join()
         self.rejoin(step, time.perf_counter() - t0)
 
+    def settle(self) -> None:
+        """The restore in flight ends here (rank 0 joins it) and nothing rejoins: this trainer is
+        about to be built again in its process (``--trainer-recovery replace``), whose resume meets
+        the outage as a group restart's does."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
     # -- the rejoin ---------------------------------------------------------------------------------
     def rejoin(self, step: int, waited_s: float) -> None:
         """Every trainer at the start of ``step``: the restored shards take their outage rows and
