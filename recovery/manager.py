@@ -159,18 +159,16 @@ class RecoveryManager:
     def lost(self) -> list[float]:
         return self.ledger.lost
 
-    def close(self) -> None:
+    def close(self, settle: bool = False) -> None:
+        """``settle``: background work that writes the shards (a checkpoint's copy, a restore trained
+        through) ends first: this trainer's process builds another (``--trainer-recovery replace``)."""
+        if settle and self.checkpointer is not None:
+            self.checkpointer.settle()
+        if settle and self.through is not None:
+            self.through.settle()
         for w in (self.priority, self.flusher, *self.logs.values()):
             if w is not None:
                 w.close()
-
-    def settle(self) -> None:
-        """Background work that writes the shards (a checkpoint's copy, a restore trained through)
-        ends before this trainer's process builds another (``--trainer-recovery replace``)."""
-        if self.checkpointer is not None:
-            self.checkpointer.settle()
-        if self.through is not None:
-            self.through.settle()
 
     def wait_background(self) -> BackgroundWrites:
         """This trainer's background writes are on disk; -> what they wrote."""

@@ -241,6 +241,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         float,
         "seconds before a dead trainer (replace) or the group (restart) starts again: a slower host",
     ),
+    "--trainer-index": (
+        "recovery",
+        "trainer_index",
+        int,
+        "with replace: run only this trainer of --trainers N, meeting the others at --lighthouse (trainers "
+        "launched separately, e.g. on several machines; run it again when it dies); needs --redis, --namespace",
+    ),
     "--trainer-timeout": (
         "recovery",
         "trainer_timeout",

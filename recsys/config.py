@@ -174,23 +174,18 @@ class EmbeddingConfig:
     (rows with their slot's bookkeeping; fractions allowed): updates and stages read them there
     instead of from Redis, and the least read go when it is full. 0: off."""
     write_behind: bool = True
-    """With one trainer (it writes every shard it reads) and held rows: a step's rows go to the shards
-    on a background thread while the next step computes; their commit point is the next update (or
-    any save, evaluation or the end), where a failed write is recovered and redone as before."""
+    """With one trainer and held rows: a step's rows go to the shards on a background thread while
+    the next computes; their commit point is the next update (or a save, evaluation or the end)."""
     write_every: int = 0
-    """With the write-behind: a row reaches its shard once per window of this many steps (the rows a
-    window updated, each once, as of its last step) instead of after every step that updates it.
-    Saves, evaluations and the end close a window early. A trainer restart resumes from the last
-    window's end (up to this many - 1 steps run again); a shard failure is seen when its window is
-    written, and the window's updates are redone on the recovered shard as a step's are. 0 (the
-    default): ``AUTO_WINDOW`` steps where windows apply (the Redis tier, one trainer, write-behind, not
-    --train-through), else 1 (``RunConfig.window_steps``)."""
+    """With the write-behind: a row reaches its shard once per window of this many steps (each row once,
+    as of the window's last step); saves, evaluations and the end close a window early; a restart
+    resumes from the last window's end, a failed shard has the window redone. 0: ``AUTO_WINDOW`` where
+    windows apply (the tier, one trainer, write-behind, not --train-through), else 1."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
     huge_pages: bool = False
-    """Local shards (redis=local) keep their memory in 2 MB pages (jemalloc ``thp:always``): a write
-    to a key space of millions of rows costs the server fewer TLB misses. Needs the host's transparent
-    huge pages at ``madvise`` or ``always``; with ``never`` the servers run on 4 kB pages as before."""
+    """Local shards keep their memory in 2 MB pages (jemalloc ``thp:always``: fewer TLB misses over
+    millions of rows); needs the host's transparent huge pages at ``madvise`` or ``always``."""
 
     def __post_init__(self) -> None:
         _check(self.embeddings in ("redis", "local"), "embeddings", self.embeddings, "must be redis or local")
@@ -289,13 +284,10 @@ class TrainConfig:
     save_model: bool = False
     """Also write final_model.pt (dense state and every embedding row; small tables only)."""
     keep_model: bool = True
-    """At the end, write the trained model into ``{out}/final/step_{steps}/`` at any table size: every
-    shard's final snapshot and the dense state (model and optimizer), in the checkpoints' format
-    with its SHA-256 manifest (``recsys export`` and ``recsys verify`` read it). It costs a fork per
-    shard and a hashed, fsynced copy of each snapshot: 1.05 bytes on disk per byte of rows (weights
-    and optimizer state), about 10 s a GB here (26 x 1M x 16 rows, every row on the shards: 1.86 GB
-    in 17.6 s, ``summary.json``'s ``final_model``); ``--no-keep-model`` skips it. Runs of
-    ``--embeddings local`` keep none."""
+    """At the end, write the trained model into ``{out}/final/step_{steps}/``: every shard's final
+    snapshot and the dense state in the checkpoints' format with its SHA-256 manifest (``recsys
+    export`` and ``verify`` read it): 1.05 bytes on disk per byte of rows, about 10 s a GB here
+    (``summary.json``'s ``final_model``). ``--embeddings local`` keeps none."""
     init_from: str = ""
     """Start from the model in this ``torch.distributed.checkpoint`` folder (torchrec's ``DLRM`` over an
     ``EmbeddingBagCollection``, as ``recsys export`` writes it): every table's rows streamed into the
@@ -412,25 +404,23 @@ class RecoveryConfig:
     """Failures to inject: shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS,
     during=PHASE), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N; see recovery/inject.py."""
     max_restarts: int = 3
-    """Restarts of the trainer group after a trainer dies (0: a dead trainer ends the run). While > 0,
-    rank 0 saves the dense state after every step off the training path (within the noise of a default step)."""
+    """Trainers started again after deaths (replace: one at a time, past them the others go on;
+    restart: the group; 0: a death ends a restart run). Rank 0 saves the dense state every step."""
 
     trainer_recovery: str = "auto"
-    """What a trainer's death costs the others. ``replace``: they go on at a new quorum (torchft's
-    Lighthouse and managers, ``recsys.quorum.replica``), training its chunks beside their own, and only it
-    is started again, healed from a live peer; the run ends bit-identical to one without the death.
-    ``restart``: the whole trainer group starts again from the per-step dense state. ``auto``:
-    ``replace`` with more than one trainer on the Redis tier (not under torchrun), else ``restart``."""
+    """A trainer's death: ``replace`` (the others go on at a new torchft quorum training its chunks,
+    only it starts again, healed from a live peer: bit-identical; ``recsys.quorum``), ``restart``
+    (the group restarts from the per-step dense state), ``auto`` (replace with 2+ trainers on the tier)."""
     lighthouse: str = ""
-    """With ``replace``: the address (host:port) of a torchft Lighthouse that already runs, to join
-    instead of starting one on loopback for the run."""
+    """With replace: host:port of a torchft Lighthouse that runs already (default: one on loopback)."""
     restart_delay: float = 0.0
-    """Seconds before a dead trainer (``replace``) or the trainer group (``restart``) is started
-    again: a host that takes that much longer to come back (on GPUs, CUDA and NCCL set-up)."""
+    """Seconds before a dead trainer (replace) or the group (restart) starts again: a slower host."""
+    trainer_index: int = -1
+    """With replace: run only trainer I, meeting the others at ``--lighthouse`` (trainers launched as
+    separate commands sharing the run folder; run again, it replaces itself). -1: all of them."""
     trainer_timeout: float = 30.0
-    """With ``replace``: seconds a collective waits for a trainer that is still alive (it heartbeats)
-    before the step is discarded and the quorum forms again. A killed trainer is seen at once, or
-    within the Lighthouse's heartbeat timeout (1 s)."""
+    """With replace: seconds a collective waits for a live (heartbeating) trainer before the step is
+    discarded and the quorum forms again; a killed one is seen within the heartbeat timeout (1 s)."""
 
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial,
@@ -531,6 +521,7 @@ class RecoveryConfig:
         )
         _check(self.restart_delay >= 0, "restart_delay", self.restart_delay, "must be >= 0")
         _check(self.trainer_timeout > 0, "trainer_timeout", self.trainer_timeout, "must be > 0")
+        _check(self.trainer_index >= -1, "trainer_index", self.trainer_index, "must be >= 0 (-1: every trainer)")
 
     def _check_interval(self) -> None:
         """``checkpoint_every``: a step count, or ``auto`` with an ``mtbf`` and a ``target_pls``."""
@@ -592,19 +583,7 @@ class RunConfig:
                 self.train.chunks,
                 "several chunks a trainer do not yet train through a shard's failure (--train-through)",
             )
-        if rc.trainer_recovery == "replace":
-            _check(
-                self.embeddings.embeddings == "redis" and self.train.trainers > 1,
-                "trainer_recovery",
-                rc.trainer_recovery,
-                "replace needs --trainers 2 or more on the Redis tier (--embeddings redis)",
-            )
-            _check(
-                self.train.dense_reduce == "chunks",
-                "trainer_recovery",
-                rc.trainer_recovery,
-                "replace reduces in chunk order: needs --dense-reduce chunks",
-            )
+        self._check_trainer_recovery()
         if rc.train_through:
             _check(
                 self.embeddings.embeddings == "redis",
@@ -638,6 +617,30 @@ class RunConfig:
                 self.train.trainers,
                 "the local torchrec baseline runs in one process (use --trainers 1)",
             )
+
+    def _check_trainer_recovery(self) -> None:
+        """``--trainer-recovery replace`` and a trainer launched on its own (``--trainer-index``)."""
+        rc, why = self.recovery, "a trainer launched on its own (--trainer-index) needs"
+        if rc.trainer_index >= 0:
+            for ok, what in (
+                (rc.trainer_index < self.train.trainers, f"must be < trainers={self.train.trainers}"),
+                (self.replaces_trainers, f"{why} --trainer-recovery replace"),
+                (bool(rc.lighthouse), f"{why} --lighthouse host:port"),
+                (bool(self.embeddings.urls), f"{why} --redis URLs"),
+                (bool(self.embeddings.namespace), f"{why} --namespace"),
+            ):
+                _check(ok, "trainer_index", rc.trainer_index, what)
+        if rc.trainer_recovery == "replace":
+            mode = rc.trainer_recovery
+            tier = self.embeddings.embeddings == "redis" and self.train.trainers > 1
+            _check(
+                tier,
+                "trainer_recovery",
+                mode,
+                "replace needs --trainers 2 or more on the Redis tier (--embeddings redis)",
+            )
+            chunks = self.train.dense_reduce == "chunks"
+            _check(chunks, "trainer_recovery", mode, "replace reduces in chunk order: needs --dense-reduce chunks")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

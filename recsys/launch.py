@@ -282,8 +282,36 @@ def _run(cfg: RunConfig, out: Path, flag: str, under_launcher: bool, resume: boo
                 cfg.embeddings.namespace,
                 claim={"take_over": take_over_namespace, "resume": resume},
             )
+    if cfg.recovery.trainer_index >= 0:  # one trainer of a run launched as separate commands
+        return _run_one_trainer(cfg, out, resume, take_over_namespace)
     with OutLock(out, flag):
         return _run_locked(cfg, out, resume, take_over_namespace)
+
+
+def _run_one_trainer(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dict | None:
+    """``--trainer-index I``: this command is trainer I of the run, meeting the others at
+    ``--lighthouse``. Trainer 0 of a launch claims the namespace and writes the run folder's files
+    (start it first, or in a folder of its own); the others wait for it. A command run again after
+    its trainer died joins as the replacement (the run's marks say it began)."""
+    from recsys.quorum.regroup import RunMarks, train_replica
+    from recsys.results.rundir import claim_namespace, new_run_id, read_run_file, write_run_file
+
+    i, ns, urls = cfg.recovery.trainer_index, cfg.embeddings.namespace, cfg.embeddings.urls
+    marks = RunMarks(out, cfg.train.trainers)
+    lighthouse = cfg.recovery.lighthouse if "://" in cfg.recovery.lighthouse else f"http://{cfg.recovery.lighthouse}"
+    if i == 0 and not marks.started():
+        check_endpoints(urls, cfg.embeddings.timeout_s, needs=_needs(cfg, len(urls)))
+        prepare(cfg)
+        run_id = read_run_file(out)["run_id"] if resume else new_run_id()
+        claim_namespace(cfg, urls, ns, run_id, take_over=take_over, fresh=not resume)
+        if not resume:
+            layout.dense_latest(cfg.checkpoint_dir).unlink(missing_ok=True)  # an earlier run's
+            write_run_file(out, ns, run_id)
+        marks.clear()
+    elif not marks.started():
+        marks.wait_for(0)
+    os.environ["RECSYS_SUPERVISED"] = "1"
+    return train_replica(cfg, urls, ns, [], i, lighthouse)
 
 
 def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dict | None:

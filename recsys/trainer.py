@@ -281,9 +281,8 @@ class Trainer:
                 bar.close()  # the line after it (an error, the summary) starts on a line of its own
             if self.injector is not None:
                 self.injector.close()
-            if self.epoch is not None:  # its background work ends before the process builds the next trainer
-                self.recovery.settle()
-            self.recovery.close()
+            # --trainer-recovery replace: its background work ends before the process builds the next trainer
+            self.recovery.close(settle=self.epoch is not None)
             self.backend.close()
             self.reader.close()
             self.dense_saver.close()

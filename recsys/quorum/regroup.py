@@ -13,10 +13,8 @@ trainers left and joined since the last, and where to go on from:
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,38 +26,43 @@ from recsys.quorum.replica import PeerLost, Quorum, Regroup, Replica
 MAX_QUORUM_TRIES = 20  # quorums in a row that fail (a member died in the middle of forming one)
 
 
-def agree(group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q: Quorum, has_state: bool) -> np.ndarray:
+def agree(
+    group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q: Quorum, has_state: bool, replacement: bool
+) -> np.ndarray:
     """One collective of the new quorum: -> [left flags, joined flags, heal ms] per trainer index,
-    and whether any member holds no state to go on from."""
+    and whether any member holds no state to go on from. ``prev``: the members of this process's
+    last quorum (None at its first); ``replacement``: it started after the run began."""
     n = max(cfg.train.trainers, 1 + max(q.members))
     v = np.zeros(3 * n + 1, dtype=np.int64)
     if prev is not None:
         for i in set(prev) - set(q.members):
             v[i] = 1
-    elif os.environ.get("RECSYS_REPLACEMENT"):  # a replacement's first quorum: it joined (2: healed from a peer)
+    elif replacement:  # a replacement's first quorum: it joined (2: healed from a peer)
         v[n + index] = 2 if q.healed is not None else 1
         v[2 * n + index] = int(q.seconds * 1000)
     v[3 * n] = 0 if has_state else 1
     return group.max_flags(v)
 
 
-def train_replica(
-    cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str, hooks: Hooks
-) -> dict | None:
+def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str) -> dict | None:
     """Train as trainer ``index`` of the quorum until the run ends; -> rank 0's summary at the end
     (None elsewhere, and for a replacement that came after the others finished)."""
     from recovery.durable.dense import from_bytes
     from recsys.trainer import Trainer
 
+    marks = RunMarks(Path(cfg.train.out), cfg.train.trainers)
+    replacement = marks.started()  # the run began before this trainer: it replaces one
     replica = Replica(index, lighthouse, cfg.recovery.trainer_timeout)
     try:
         prev: tuple[int, ...] | None = None
         live: dict | None = None
-        detected = time.time()
-        hooks.wait_ready()
+        detected = 0.0
+        if not replacement:
+            marks.ready(index)
         q = _quorum(replica, 0)
+        marks.mark_started()
         while True:
-            if prev is None and len(q.members) == 1 and hooks.has_ended():
+            if prev is None and len(q.members) == 1 and marks.has_ended():
                 return None  # a replacement alone at a run that ended meanwhile
             group = TrainerGroup(len(q.members), q.rank, cfg.train.chunks or cfg.train.trainers, comm=replica.comm)
             healed = None
@@ -67,7 +70,7 @@ def train_replica(
                 healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
             has_state = live is not None or healed is not None
             try:
-                v = agree(group, cfg, index, prev, q, has_state)
+                v = agree(group, cfg, index, prev, q, has_state, replacement)
             except PeerLost:
                 prev, live, detected = q.members, None, time.time()
                 q = _quorum(replica, 0)
@@ -85,7 +88,7 @@ def train_replica(
                 joined={i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
                 heal_s=float(v[2 * n : 3 * n].max()) / 1000,
                 detected_at=detected,
-                finishing=hooks.finishing,
+                finishing=marks.finishing,
             )
             trainer = Trainer(cfg, urls, namespace, len(q.members), q.rank, specs, epoch=epoch)
             prev = q.members
@@ -113,34 +116,20 @@ def _quorum(replica: Replica, step: int) -> Quorum:
 
 
 def replica_main(
-    cfg_dict: dict,
-    urls: list[str],
-    namespace: str,
-    specs: list[dict],
-    index: int,
-    lighthouse: str,
-    results,
-    replacement: bool = False,
-    ended=None,
-    ready=None,
+    cfg_dict: dict, urls: list[str], namespace: str, specs: list[dict], index: int, lighthouse: str, results
 ) -> None:
     """Entry point of one trainer process under ``--trainer-recovery replace`` (started by
     ``recsys.quorum.supervisor``): an error ends it with exit status 3, its line and traceback in
-    the run folder's ``errors/`` (the launcher prints the line). ``replacement``: it replaces a dead
-    trainer; ``ended``: an event set once the trainers finish (a replacement that comes later has
-    nothing to do); ``ready``: a barrier of the run's first trainers (its first quorum has them all)."""
+    the run folder's ``errors/`` (the launcher prints the line). ``results``: a queue for rank 0's
+    summary."""
     from embeddings.servers.launcher import ShardSpec
     from recsys.config import RunConfig
     from recsys.errors import default_signals, report_error
 
     default_signals()
-    if replacement:
-        os.environ["RECSYS_REPLACEMENT"] = "1"
     cfg = RunConfig.from_dict(cfg_dict)
     try:
-        summary = train_replica(
-            cfg, urls, namespace, [ShardSpec(**s) for s in specs], index, lighthouse, Hooks(ended, ready)
-        )
+        summary = train_replica(cfg, urls, namespace, [ShardSpec(**s) for s in specs], index, lighthouse)
         if summary is not None:
             results.put(summary)
     except Exception as e:  # noqa: BLE001 - reported in one line, traceback to the run folder
@@ -148,20 +137,52 @@ def replica_main(
         raise SystemExit(3) from None
 
 
-@dataclass
-class Hooks:
-    """The launcher's events a trainer process meets (None: run without a launcher of ours)."""
+class RunMarks:
+    """The marks the trainers of a run meet by, in its folder (``{out}/trainers/``): each first
+    trainer's ``ready.I`` (the first quorum waits for them all), ``started`` (a trainer that comes
+    later replaces one: it joins) and ``ended`` (the trainers finish: one that comes later has
+    nothing to do). Files, so that trainers launched as separate commands meet by them too."""
 
-    ended: object = None
-    ready: object = None
+    def __init__(self, out: Path, trainers: int) -> None:
+        self.dir, self.trainers = Path(out) / "trainers", trainers
+
+    def clear(self) -> None:
+        """A launch begins (the launcher, or trainer 0 of separate commands)."""
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _touch(self, name: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / name).touch()
+
+    def started(self) -> bool:
+        return (self.dir / "started").exists()
+
+    def mark_started(self) -> None:
+        self._touch("started")
 
     def finishing(self) -> None:
-        if self.ended is not None:
-            self.ended.set()
+        self._touch("ended")
 
     def has_ended(self) -> bool:
-        return self.ended is not None and self.ended.is_set()
+        return (self.dir / "ended").exists()
 
-    def wait_ready(self) -> None:
-        if self.ready is not None:
-            self.ready.wait(timeout=300)
+    def wait_for(self, index: int, timeout_s: float = 600) -> None:
+        """Until trainer ``index`` is up (the others of separate commands wait for trainer 0's folder)."""
+        deadline = time.time() + timeout_s
+        while not (self.dir / f"ready.{index}").exists():
+            if time.time() > deadline:
+                raise RuntimeError(f"trainer {index} did not start within {timeout_s:g} s ({self.dir})")
+            time.sleep(0.05)
+
+    def ready(self, index: int, timeout_s: float = 600) -> None:
+        """Trainer ``index`` is up; returns once every first trainer is (its first quorum has them all)."""
+        self._touch(f"ready.{index}")
+        deadline = time.time() + timeout_s
+        while not all((self.dir / f"ready.{i}").exists() for i in range(self.trainers)):
+            if time.time() > deadline:
+                missing = [i for i in range(self.trainers) if not (self.dir / f"ready.{i}").exists()]
+                raise RuntimeError(f"trainers {missing} did not start within {timeout_s:g} s ({self.dir})")
+            time.sleep(0.05)

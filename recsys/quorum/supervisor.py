@@ -27,7 +27,7 @@ END_GRACE_S = 120.0  # once the run ended, trainers still running get this long 
 
 def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: str) -> dict | None:
     """Run the trainers as replica groups until the run ends; -> rank 0's summary."""
-    from recsys.quorum.regroup import replica_main
+    from recsys.quorum.regroup import RunMarks, replica_main
     from recsys.quorum.replica import Lighthouse, quiet_torchft
 
     quiet_torchft()
@@ -41,30 +41,27 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
         address = f"http://{address}"
     ctx = multiprocessing.get_context(start_method)
     results = ctx.Queue()
-    ended = ctx.Event()  # set by the trainers as they finish: a replacement that comes later stops
-    ready = ctx.Barrier(cfg.train.trainers)  # the first quorum has every trainer in it
+    marks = RunMarks(out, cfg.train.trainers)
+    marks.clear()  # a launch begins: the first trainers meet by it, replacements know the run began
     specs_d = [s.__dict__.copy() for s in specs]
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
 
-    def start(i: int, replacement: bool) -> None:
+    def start(i: int) -> None:
         p = ctx.Process(
-            target=replica_main,
-            args=(cfg.to_dict(), urls, namespace, specs_d, i, address, results),
-            kwargs={"replacement": replacement, "ended": ended, "ready": None if replacement else ready},
-            name=f"trainer{i}",
+            target=replica_main, args=(cfg.to_dict(), urls, namespace, specs_d, i, address, results), name=f"trainer{i}"
         )
         p.start()
         procs[i] = p
 
-    sup = _Supervisor(cfg, out, procs, ended)
+    sup = _Supervisor(cfg, out, procs, marks)
     try:
         for i in range(cfg.train.trainers):
-            start(i, replacement=False)
+            start(i)
         summary = None
         while procs or sup.pending:
             summary = _drain(results, summary)
             for i in sup.reap():
-                start(i, replacement=True)
+                start(i)
             time.sleep(POLL_S)
         return _drain(results, summary)
     finally:
@@ -87,8 +84,8 @@ def _drain(results, summary: dict | None) -> dict | None:
 class _Supervisor:
     """Which trainers ended how, and which to start again when."""
 
-    def __init__(self, cfg, out: Path, procs: dict, ended) -> None:
-        self.cfg, self.out, self.procs, self.ended = cfg, out, procs, ended
+    def __init__(self, cfg, out: Path, procs: dict, marks) -> None:
+        self.cfg, self.out, self.procs, self.marks = cfg, out, procs, marks
         self.pending: dict[int, float] = {}  # trainer -> when its replacement starts
         self.replaced = 0
         self.seen: dict[int, float] = {}  # trainer -> when its last death was met here
@@ -108,7 +105,7 @@ class _Supervisor:
             else:
                 self._died(i, p.exitcode)
         now = time.time()
-        if self.ended.is_set() or self.ended_at is not None:
+        if self.marks.has_ended() or self.ended_at is not None:
             self.pending.clear()  # the run ended: nobody to replace
             if self.ended_at is not None and now - self.ended_at > END_GRACE_S:
                 for p in self.procs.values():
@@ -133,7 +130,7 @@ class _Supervisor:
             if code < 0 and -code in signal.Signals._value2member_map_
             else f"exit status {code}"
         )
-        if self.ended.is_set():
+        if self.marks.has_ended():
             return  # the run ended meanwhile: a replacement has nothing left to do
         deaths = read_lines(layout.trainer_failures_file(self.out))
         since = self.seen.get(i, self.started)
