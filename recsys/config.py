@@ -99,10 +99,7 @@ MLPERF_V2_ROWS += [2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_00
 MLPERF_V2_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
 PRESETS = {
     "mlperf-v2": {
-        "data": {
-            "table_rows": [max(min(n, 1000), n // 200) for n in MLPERF_V2_ROWS],
-            "multi_hot": MLPERF_V2_MULTI_HOT,
-        },
+        "data": {"table_rows": [max(min(n, 1000), n // 200) for n in MLPERF_V2_ROWS], "multi_hot": MLPERF_V2_MULTI_HOT},
         "model": {
             "model": "dcn",
             "embedding_dim": 16,  # 32 with these multi-hot sums stalls at chance on the synthetic teacher

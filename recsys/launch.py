@@ -294,11 +294,15 @@ def _run_one_trainer(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -
     (start it first, or in a folder of its own); the others wait for it. A command run again after
     its trainer died joins as the replacement (the run's marks say it began)."""
     from recsys.quorum.regroup import RunMarks, train_replica
+    from recsys.quorum.replica import quiet_torchft
     from recsys.results.rundir import claim_namespace, new_run_id, read_run_file, write_run_file
+
+    quiet_torchft()  # before torchft's native logger starts
 
     i, ns, urls = cfg.recovery.trainer_index, cfg.embeddings.namespace, cfg.embeddings.urls
     marks = RunMarks(out, cfg.train.trainers)
     lighthouse = cfg.recovery.lighthouse if "://" in cfg.recovery.lighthouse else f"http://{cfg.recovery.lighthouse}"
+    out.mkdir(parents=True, exist_ok=True)
     if i == 0 and not marks.started():
         check_endpoints(urls, cfg.embeddings.timeout_s, needs=_needs(cfg, len(urls)))
         prepare(cfg)

@@ -36,7 +36,7 @@ def run(out: Path, args, trainers: int, extra: list[str]) -> dict:
         sys.executable, "-m", "recsys", "train", "--trainers", str(trainers), "--shards", str(args.shards),
         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--recovery", "log",
         "--checkpoint-every", str(args.checkpoint_every), "--eval-every", str(args.eval_every),
-        "--eval-samples", str(args.eval_samples), "--no-keep-model", "--no-progress", "--out", str(out), *extra,
+        "--eval-samples", str(args.eval_samples), "--no-keep-model", "--out", str(out), *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -97,3 +97,38 @@ def test_the_failure_line_says_the_others_went_on():
     )
     assert "trainer 1 at step 12: the other trainers went on from step 12 after 1.30 s" in line
     assert json.dumps(line)
+
+
+def test_trainers_launched_as_separate_commands_meet_at_a_lighthouse_and_one_run_again_rejoins(tmp_path, reference):
+    """Two commands, one trainer each (``--trainer-index``), on shards given by URL and a Lighthouse
+    that runs already (``--lighthouse``), as on two machines. Trainer 1 dies at step 12; its
+    scheduler (here, the test) runs the same command again: it joins the survivor's quorum, heals
+    from it, and the run ends bit-identical to the run launched as one."""
+    from embeddings import LocalShards
+    from recsys.quorum.replica import Lighthouse
+    from tests import procs
+    from tests.conftest import track
+
+    out = tmp_path / "run"
+    with LocalShards(2) as sh:
+        track(sh)
+        lighthouse = Lighthouse(tmp_path / "lighthouse.log")
+        try:
+            common = ["-m", "recsys", "train", *FLAGS, "--trainers", "2", "--redis", ",".join(sh.urls)]
+            common += ["--namespace", "separate", "--lighthouse", lighthouse.address, "--out", str(out)]
+            first = procs.start([*common, "--trainer-index", "0"])
+            second = procs.start([*common, "--trainer-index", "1", "--inject", "trainer:1@step=12"])
+            assert second.wait(timeout=240) == -9, second.stderr.read()[-2000:]  # SIGKILL: it killed itself
+            again = procs.start([*common, "--trainer-index", "1", "--inject", "trainer:1@step=12"])
+            assert first.wait(timeout=240) == 0, first.stderr.read()[-3000:]
+            assert again.wait(timeout=240) == 0, again.stderr.read()[-3000:]
+            assert "Traceback" not in first.stderr.read() + again.stderr.read()
+        finally:
+            lighthouse.close()
+    s = json.loads((out / "summary.json").read_text())
+    assert s["embedding_digest"] == reference["embedding_digest"]
+    (rec,) = s["failures"]
+    assert rec["strategy"] == "replace" and rec["target"] == 1 and rec["rejoin_step"] is not None, rec
+    assert rec["dense_equal_at_rejoin"] is True
+    code, line = verify(out)
+    assert code == 0, line
