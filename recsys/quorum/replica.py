@@ -78,33 +78,33 @@ def quiet_torchft() -> None:
 
 
 class Lighthouse:
-    """torchft's Lighthouse as a process of its own (``torchft_lighthouse``, installed with
-    torchft), on loopback: its threads never live in the process that forks the trainers.
-    ``log``: where its output goes."""
+    """torchft's Lighthouse as a process of its own (``lighthouse_main.py``: torchft's native
+    module alone, no torch), on loopback: its threads never live in the process that forks the
+    trainers. ``log``: where its output goes."""
 
     def __init__(self, log: Path, min_replicas: int = 1) -> None:
-        import shutil
+        import importlib.util
         import socket
         import subprocess
         import sys
 
         from embeddings.servers.launcher import free_port
 
-        exe = Path(sys.executable).with_name("torchft_lighthouse")
-        binary = str(exe) if exe.exists() else shutil.which("torchft_lighthouse")
-        if binary is None:
-            raise RuntimeError(
-                "torchft_lighthouse is not installed (pip install torchft); --trainer-recovery replace needs it"
-            )
+        spec = importlib.util.find_spec("torchft")  # found, not imported (that would import torch)
+        where = Path(spec.origin).parent if spec is not None and spec.origin else None
+        native = sorted(where.glob("_torchft*.so")) if where is not None else []
+        if not native:
+            raise RuntimeError("torchft is not installed (pip install torchft): --trainer-recovery replace needs it")
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [
-            binary, "--bind", self.address, "--min_replicas", str(min_replicas),
+            sys.executable, str(Path(__file__).with_name("lighthouse_main.py")), "--bind", self.address, "--min_replicas", str(min_replicas),
             "--join_timeout_ms", str(int(JOIN_TIMEOUT_S * 1000)), "--quorum_tick_ms", str(QUORUM_TICK_MS),
             "--heartbeat_timeout_ms", str(int(HEARTBEAT_TIMEOUT_S * 1000)),
         ]  # fmt: skip
+        env = {**os.environ, "RECSYS_TORCHFT_NATIVE": str(native[0]), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.time() + 30
         while True:
             try:
