@@ -2,12 +2,15 @@
 
 Specs (``--inject``, several allowed). ``WHEN`` is ``step=N`` (the start of step N), ``t=S`` (S
 seconds after training started, fired from a timer wherever the trainers are) or, for shard kills,
-``during=PHASE`` (checkpoint | eval | recovery | resume: inside that phase, the first time it runs):
+``during=PHASE`` (checkpoint | eval | recovery | resume: inside that phase, the first time it runs;
+``trainer:R@during=resume``: a trainer killed as it rejoins after another's death):
 
 - ``shard:K@WHEN``          SIGKILL shard K (a shard reached only by URL: ``SHUTDOWN NOSAVE``)
 - ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds (by URL: ``CLIENT PAUSE``)
 - ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
+- ``lighthouse@WHEN``        SIGKILL the run's torchft Lighthouse (``--trainer-recovery replace``): the
+                            launcher stops the trainers in one line, the run resumable (``--resume``)
 - ``corrupt-checkpoint:latest[@step=N]``  flip bytes in a shard file of the newest checkpoint at step N
                             (default: just before the first restore reads it)
 - ``corrupt-log:K@step=N``  flip a byte in the middle of shard K's newest log segment at the start of
@@ -48,10 +51,11 @@ _PATTERNS = {
     "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
     "corrupt-dense": re.compile(r"corrupt-dense@step=(\d+)"),
     "slow-restore": re.compile(r"slow-restore:(\d+):(\d+(?:\.\d+)?)"),
+    "lighthouse": re.compile(r"lighthouse@(?:step=(\d+)|t=(\d+(?:\.\d+)?))"),
 }
 USAGE = (
     "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
-    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N or slow-restore:K:SECONDS"
+    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N, slow-restore:K:SECONDS or lighthouse@WHEN"
 )
 
 
@@ -79,6 +83,8 @@ class Injection:
             return f"corrupt-dense@step={self.step}"
         if self.kind == "slow-restore":
             return f"slow-restore:{self.target}:{self.seconds:g}"
+        if self.kind == "lighthouse":
+            return f"lighthouse@{self.when}"
         tail = f":{self.seconds:g}" if self.kind == "stall" else ""
         return f"{self.kind}:{self.target}@{self.when}{tail}"
 
@@ -106,9 +112,13 @@ def parse_injection(spec: str) -> Injection:
             return Injection(kind, None, int(g[0]))
         if kind == "slow-restore":
             return Injection(kind, int(g[0]), None, float(g[1]))
+        if kind == "lighthouse":
+            return Injection(kind, None, int(g[0]) if g[0] else None, t=float(g[1]) if g[1] else None)
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
-        if during is not None and kind != "shard":
-            raise InjectionSpecError(f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...)")
+        if during is not None and kind not in ("shard", "trainer"):
+            raise InjectionSpecError(
+                f"--inject {spec!r}: during=PHASE is for shard and trainer kills (shard:K@during=..., trainer:R@during=resume)"
+            )
         return Injection(
             kind,
             target,
@@ -335,6 +345,13 @@ class Injector:
                 if shards:
                     time.sleep(0.05)  # a moment later, the trainer goes down with its node
                 os.kill(os.getpid(), signal.SIGKILL)
+            if inj.kind == "lighthouse":
+                self._record(inj, [])
+                pid = os.environ.get("RECSYS_LIGHTHOUSE_PID")
+                if not pid:
+                    raise InjectionSpecError(f"--inject {inj}: no Lighthouse of this launcher's to kill")
+                os.kill(int(pid), signal.SIGKILL)
+                return
             self._record(inj, shards)
             if inj.kind == "shard":
                 self._kill_shard(inj.target)

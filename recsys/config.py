@@ -331,12 +331,8 @@ class TrainConfig:
             self.batch_size,
             f"must be a multiple of chunks={self.chunks}",
         )
-        _check(
-            self.chunks == 0 or self.chunks >= self.trainers,
-            "chunks",
-            self.chunks,
-            f"must be 0 (one per trainer) or at least trainers={self.trainers}",
-        )
+        why = f"must be 0 (one per trainer) or at least trainers={self.trainers}"
+        _check(self.chunks == 0 or self.chunks >= self.trainers, "chunks", self.chunks, why)
         _check(
             self.chunks in (0, self.trainers) or self.dense_reduce == "chunks",
             "chunks",
@@ -416,8 +412,7 @@ class RecoveryConfig:
     """With replace: run only trainer I, meeting the others at ``--lighthouse`` (trainers launched as
     separate commands sharing the run folder; run again, it replaces itself). -1: all of them."""
     trainer_timeout: float = 30.0
-    """With replace: seconds a collective waits for a live (heartbeating) trainer before the step is
-    discarded and the quorum forms again; a killed one is seen within the heartbeat timeout (1 s)."""
+    """With replace: seconds a collective waits for a live trainer (a killed one: about 1 s)."""
 
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial,
@@ -656,6 +651,10 @@ class RunConfig:
             if inj.kind in ("shard", "stall", "slow-restore"):
                 n = len(self.embeddings.urls) or self.embeddings.shards
                 _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
+            ok = self.replaces_trainers and not rc.lighthouse if inj.kind == "lighthouse" else True
+            _check(ok, "inject", str(inj), "the launcher's Lighthouse: needs replace, no --lighthouse")
+            ok = inj.kind != "trainer" or inj.during in (None, "resume")
+            _check(ok, "inject", str(inj), "a trainer dies during=resume only")
             if inj.kind in ("trainer", "node"):
                 _check(
                     inj.target < self.train.trainers,

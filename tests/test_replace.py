@@ -132,3 +132,36 @@ def test_trainers_launched_as_separate_commands_meet_at_a_lighthouse_and_one_run
     assert rec["dense_equal_at_rejoin"] is True
     code, line = verify(out)
     assert code == 0, line
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        ["--inject", "shard:0@during=resume"],  # a shard dies while the trainers regroup and one heals
+        ["--inject", "trainer:1@during=resume"],  # the replacement dies while it heals
+    ],
+    ids=["shard-dies-while-healing", "replacement-dies-while-healing"],
+)
+def test_a_second_failure_while_a_trainer_heals_still_ends_bit_identical(tmp_path, reference, mix):
+    out = tmp_path / "run"
+    s = train_cli(out, *FLAGS, "--trainers", "2", "--inject", "trainer:1@step=8", *mix)
+    assert s["injections_not_fired"] == [], s["injected"]
+    assert s["embedding_digest"] == reference["embedding_digest"], json.dumps(s["failures"])
+    assert s["pls"] == 0.0 and all(f.get("lost_updates", 0) == 0 for f in s["failures"])
+    assert [f["target"] for f in s["failures"] if f["kind"] == "trainer"][:1] == [1]
+    code, line = verify(out)
+    assert code == 0, line
+
+
+def test_the_lighthouse_dying_stops_the_run_in_one_line_and_resume_finishes_it_bit_identical(tmp_path, reference):
+    from tests import procs
+
+    out = tmp_path / "run"
+    args = ["-m", "recsys", "train", *FLAGS, "--trainers", "2", "--inject", "lighthouse@step=20", "--out", str(out)]
+    proc = procs.run(args, timeout=240)
+    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("train:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: the Lighthouse at 127.0.0.1:"), lines
+    assert f"finish the run with --resume {out}" in lines[0]
+    s = train_cli(out, "--resume", str(out))
+    assert s["embedding_digest"] == reference["embedding_digest"]

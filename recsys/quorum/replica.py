@@ -82,11 +82,8 @@ class Lighthouse:
     module alone, no torch), on loopback: its threads never live in the process that forks the
     trainers. ``log``: where its output goes."""
 
-    def __init__(self, log: Path, min_replicas: int = 1) -> None:
+    def __init__(self, log: Path) -> None:
         import importlib.util
-        import socket
-        import subprocess
-        import sys
 
         from embeddings.servers.launcher import free_port
 
@@ -95,14 +92,27 @@ class Lighthouse:
         native = sorted(where.glob("_torchft*.so")) if where is not None else []
         if not native:
             raise RuntimeError("torchft is not installed (pip install torchft): --trainer-recovery replace needs it")
-        port = free_port()
-        self.address = f"127.0.0.1:{port}"
+        self.log, self.native = log, native[0]
+        self.address = f"127.0.0.1:{free_port()}"
+        self.url = f"http://{self.address}"
+        self.start()
+
+    def start(self) -> None:
+        """The Lighthouse process, started; returns once it accepts connections."""
+        import socket
+        import subprocess
+        import sys
+
+        min_replicas = 1
+        port = int(self.address.rsplit(":", 1)[1])
         cmd = [
-            sys.executable, str(Path(__file__).with_name("lighthouse_main.py")), "--bind", self.address, "--min_replicas", str(min_replicas),
+            sys.executable, str(Path(__file__).with_name("lighthouse_main.py")), "--bind", self.address,
+            "--min_replicas", str(min_replicas),
             "--join_timeout_ms", str(int(JOIN_TIMEOUT_S * 1000)), "--quorum_tick_ms", str(QUORUM_TICK_MS),
             "--heartbeat_timeout_ms", str(int(HEARTBEAT_TIMEOUT_S * 1000)),
         ]  # fmt: skip
-        env = {**os.environ, "RECSYS_TORCHFT_NATIVE": str(native[0]), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        env = {**os.environ, "RECSYS_TORCHFT_NATIVE": str(self.native), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        log = self.log
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         deadline = time.time() + 30
@@ -115,7 +125,9 @@ class Lighthouse:
                     self.close()
                     raise RuntimeError(f"the Lighthouse did not start on {self.address} (its output: {log})") from None
                 time.sleep(0.02)
-        self.url = f"http://{self.address}"
+
+    def died(self) -> bool:
+        return self.proc.poll() is not None
 
     def close(self) -> None:
         if self.proc.poll() is None:

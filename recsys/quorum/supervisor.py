@@ -12,6 +12,7 @@ error's line (the others are stopped). Every process started here is stopped on 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import sys
 import time
@@ -43,6 +44,8 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
     results = ctx.Queue()
     marks = RunMarks(out, cfg.train.trainers)
     marks.clear()  # a launch begins: the first trainers meet by it, replacements know the run began
+    if lighthouse is not None:  # ``--inject lighthouse@WHEN`` kills it
+        os.environ["RECSYS_LIGHTHOUSE_PID"] = str(lighthouse.proc.pid)
     specs_d = [s.__dict__.copy() for s in specs]
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
 
@@ -60,6 +63,15 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
         summary = None
         while procs or sup.pending:
             summary = _drain(results, summary)
+            if lighthouse is not None and lighthouse.died() and procs and not marks.has_ended():
+                # a Lighthouse started again would form a quorum of whoever asks first, under the
+                # quorum ids of the one that died: the run stops here, its state kept to resume from
+                for p in procs.values():
+                    p.kill()
+                raise TrainerFailed(
+                    f"the Lighthouse at {lighthouse.address} died (exit status {lighthouse.proc.returncode}): "
+                    f"the trainers were stopped; finish the run with --resume {out}"
+                )
             for i in sup.reap():
                 start(i)
             time.sleep(POLL_S)
