@@ -338,6 +338,7 @@ class Trainer:
         self.clock.start(self._t_step)
         if self.epoch is not None:
             meet_quorum(self, step)  # --trainer-recovery replace
+            self.clock.lap("quorum")
         self.recovery.poll_outage(step)  # shards restored in the background rejoin here (--train-through)
         if self.injector is not None:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
@@ -360,9 +361,11 @@ class Trainer:
         self.opt.step()
         clock.lap("compute")
         self.group.barrier()  # every shard's writer is done before anyone reads the next step's rows
-        if self.epoch is not None and not self.epoch.replica.commit():
-            raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
         clock.lap("waiting")
+        if self.epoch is not None:
+            if not self.epoch.replica.commit():
+                raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
+            clock.lap("quorum")
         return out, nxt, loss
 
     def forward_backward(self, batch, nxt) -> torch.Tensor:
