@@ -115,9 +115,9 @@ def parse_injection(spec: str) -> Injection:
         if kind == "lighthouse":
             return Injection(kind, None, int(g[0]) if g[0] else None, t=float(g[1]) if g[1] else None)
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
-        if during is not None and kind not in ("shard", "trainer"):
+        if during is not None and kind != "shard" and (kind, during) != ("trainer", "resume"):
             raise InjectionSpecError(
-                f"--inject {spec!r}: during=PHASE is for shard and trainer kills (shard:K@during=..., trainer:R@during=resume)"
+                f"--inject {spec!r}: during=PHASE is for shard kills (shard:K@during=...), and trainer:R@during=resume"
             )
         return Injection(
             kind,

@@ -653,8 +653,6 @@ class RunConfig:
                 _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
             ok = self.replaces_trainers and not rc.lighthouse if inj.kind == "lighthouse" else True
             _check(ok, "inject", str(inj), "the launcher's Lighthouse: needs replace, no --lighthouse")
-            ok = inj.kind != "trainer" or inj.during in (None, "resume")
-            _check(ok, "inject", str(inj), "a trainer dies during=resume only")
             if inj.kind in ("trainer", "node"):
                 _check(
                     inj.target < self.train.trainers,
