@@ -412,7 +412,7 @@ class RecoveryConfig:
     """With replace: run only trainer I, meeting the others at ``--lighthouse`` (trainers launched as
     separate commands sharing the run folder; run again, it replaces itself). -1: all of them."""
     trainer_timeout: float = 30.0
-    """With replace: seconds a collective waits for a live trainer (a killed one: about 1 s)."""
+    """With replace: seconds a collective waits for a live trainer (a killed one: about 0.5 s)."""
 
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial,

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 HEARTBEAT_S = 0.1
-HEARTBEAT_TIMEOUT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 0.5
 QUORUM_TICK_MS = 10
-JOIN_TIMEOUT_S = 1.0  # a quorum with a trainer heartbeating but not yet asking waits this long for it
+JOIN_TIMEOUT_S = 0.3  # a quorum with a trainer heartbeating but not yet asking waits this long for it
 QUORUM_TIMEOUT_S = 600.0  # a quorum waits this long for its members (a slow step, a long restore)
 
 
