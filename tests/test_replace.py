@@ -60,15 +60,6 @@ def test_the_replacement_joins_at_the_survivors_quorum_and_two_of_three_can_die(
     assert all(r["rejoin_step"] is not None for r in recs.values())
 
 
-def test_restart_keeps_the_group_restart_for_comparison(tmp_path, reference):
-    s = train_cli(
-        tmp_path / "run", *FLAGS, "--trainers", "2", "--trainer-recovery", "restart", "--inject", "trainer:1@step=12"
-    )
-    assert s["embedding_digest"] == reference["embedding_digest"]
-    (rec,) = s["failures"]
-    assert rec["strategy"] == "restart"
-
-
 def test_replace_settings_are_checked_in_one_line():
     from recsys.config import ConfigError, EmbeddingConfig, RecoveryConfig, RunConfig, TrainConfig
 
