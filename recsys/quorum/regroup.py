@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from recsys.group import TrainerGroup
-from recsys.quorum.epoch import Epoch
+from recsys.quorum.epoch import Epoch, same_everywhere
 from recsys.quorum.replica import PeerLost, Quorum, Regroup, Replica
 
 MAX_QUORUM_TRIES = 20  # quorums in a row that fail (a member died in the middle of forming one)
@@ -78,6 +78,14 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             n = (len(v) - 1) // 3
             left = [i for i in range(n) if v[i]]
             fresh = bool(left) or bool(v[3 * n])
+            if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
+                state = live if live is not None else healed
+                try:
+                    fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
+                except PeerLost:
+                    prev, live, detected = q.members, None, time.time()
+                    q = _quorum(replica, 0)
+                    continue
             epoch = Epoch(
                 group,
                 replica,
