@@ -113,58 +113,21 @@ class Journal:
             died_at = info.get("step")
             detected = max(0.0, t_restart - info["time"])  # the death to the new group's first call here
             heal = time.time() - t_restart  # every shard back to the dense state's step
-            if self.trainer_recovery == "replace":
-                self._record_replaced(info, death, step, detected, heal, restored_bytes, rolled)
-                rolled = 0
-                continue
-            self.record(
-                {
-                    "kind": info.get("kind", "trainer"),
-                    "target": info["rank"],
-                    "step": died_at if died_at is not None else step + 1,
-                    "strategy": "restart",
-                    **({"shards": info["shards"]} if info.get("shards") else {}),
-                    "detected_after_s": round(detected, 4),
-                    "recovery_s": round(heal, 4),
-                    # what it cost: every trainer stopped from the death until the group trains
-                    # again (the steps after the dense state's are redone: ``replayed_steps``); a
-                    # restart recomputes every sample, none is skipped
-                    "waited_s": round(detected + heal, 4),
-                    "heal_s": round(heal, 4),
-                    "rejoin_step": step + 1,
-                    "samples_lost": 0,
-                    "restored_bytes": restored_bytes,
-                    "rolled_back_rows": rolled,
-                    "lost_updates": 0,
-                    "lost_samples": 0.0,
-                    "replayed_steps": max(0, died_at - step) if died_at else 0,
-                    "_death": death,
-                }
-            )
-            rolled = 0  # counted once, on the first
-
-    def _record_replaced(
-        self, info: dict, death: str, step: int, detected: float, regroup: float, restored_bytes: int, rolled: int
-    ) -> None:
-        """A trainer's death under ``--trainer-recovery replace``: the others went on at a new
-        quorum (``waited_s``: from the death until they trained again: its detection, the
-        regroup, every shard back to the dense state's step); the replacement's ``heal_s`` and
-        ``rejoin_step`` are filled in when it joins (``note_rejoin``)."""
-        died_at = info.get("step")
-        self.record(
-            {
+            rec = {
                 "kind": info.get("kind", "trainer"),
                 "target": info["rank"],
                 "step": died_at if died_at is not None else step + 1,
-                "strategy": "replace",
+                "strategy": self.trainer_recovery,
                 **({"shards": info["shards"]} if info.get("shards") else {}),
                 "detected_after_s": round(detected, 4),
-                "recovery_s": round(regroup, 4),
-                "waited_s": round(detected + regroup, 4),
-                "heal_s": None,
-                "rejoin_step": None,
-                "resumed_step": step + 1,
-                "samples_lost": 0,  # the survivors train the dead trainer's chunks: none is skipped
+                "recovery_s": round(heal, 4),
+                # what it cost: restart, every trainer stopped from the death until the group trains
+                # again; replace, the others until they step at the new quorum (the steps after the
+                # dense state's are redone: ``replayed_steps``); none skips a sample
+                "waited_s": round(detected + heal, 4),
+                "heal_s": round(heal, 4),
+                "rejoin_step": step + 1,
+                "samples_lost": 0,
                 "restored_bytes": restored_bytes,
                 "rolled_back_rows": rolled,
                 "lost_updates": 0,
@@ -172,7 +135,10 @@ class Journal:
                 "replayed_steps": max(0, died_at - step) if died_at else 0,
                 "_death": death,
             }
-        )
+            if self.trainer_recovery == "replace":  # the replacement's heal and rejoin: ``note_rejoin``
+                rec.update(heal_s=None, rejoin_step=None, resumed_step=step + 1)
+            self.record(rec)
+            rolled = 0  # counted once, on the first
 
     def note_rejoin(self, index: int, step: int, heal_s: float, from_peer: bool, dense_equal: bool) -> None:
         """Rank 0: trainer ``index``'s replacement trains from ``step``, healed in ``heal_s`` from a
