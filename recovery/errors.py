@@ -31,3 +31,8 @@ class ShardLostError(RecoveryError):
 class LogGapError(RecoveryError):
     """A log replay could not reach a step it needed (a gap, a damaged record, a missing segment):
     the shard cannot be rebuilt exactly, and the run stops rather than train on a wrong shard."""
+
+
+class PeerError(RecoveryError):
+    """Another trainer's error ends the run (its own record names the cause): a launcher that
+    reads every trainer's error names that one first."""

@@ -28,7 +28,7 @@ from recovery.accounting import Ledger, UpdateCounter
 from recovery.core import RecoveryCore
 from recovery.durable.checkpoint import Checkpointer
 from recovery.durable.log import ShardLog
-from recovery.errors import RecoveryError
+from recovery.errors import PeerError
 from recovery.inject import Injector
 from recovery.journal import Journal
 from recovery.protocol import Collective, CommitPoints, Detector, Outcome, Verdict
@@ -255,7 +255,7 @@ class RecoveryManager:
         if verdict.fatal:
             if error is not None:
                 raise error
-            raise RecoveryError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
+            raise PeerError(f"recovery of shards {failed} at step {step} failed on rank 0 (its error ends the run)")
         self._restored = verdict.restored
         recovered = sorted(verdict.as_of)
         self.writer.as_of.update(verdict.as_of)  # a write-behind's step the restore already covers is not redone

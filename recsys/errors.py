@@ -105,6 +105,24 @@ def read_errors(run_dir: Path) -> dict[str, dict]:
     return out
 
 
+# a trainer that ended because a peer died or erred: its record names no cause of its own
+PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "PeerLost")
+PEER_LOST_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken pipe", "timed out")
+
+
+def peer_lost(err: dict) -> bool:
+    line = err.get("line", "").lower()
+    return err.get("type") in PEER_LOST_TYPES or any(w in line for w in PEER_LOST_WORDS)
+
+
+def first_cause(errors: dict[str, dict]) -> dict | None:
+    """The error that ends the run: a trainer's own before one that reports another's
+    (``PeerError``), the lowest trainer first; None where every record is a lost peer."""
+    own = [e for e in errors.values() if not peer_lost(e)]
+    own.sort(key=lambda e: (e.get("type") == "PeerError", e.get("who", "")))
+    return own[0] if own else None
+
+
 def default_signals() -> None:
     """A trainer forked from the launcher inherits the elastic agent's handlers, which turn the
     SIGTERM that stops a surviving trainer into an exception raised wherever it lands: a started

@@ -41,7 +41,7 @@ from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare
-from recsys.errors import TrainerFailed, default_signals, read_errors, report_error
+from recsys.errors import TrainerFailed, default_signals, first_cause, read_errors, report_error
 from recsys.results.rundir import (
     OutLock,
     check_resume,
@@ -55,8 +55,6 @@ from recsys.results.rundir import (
 from recsys.trainer import Trainer
 
 # errors a trainer sees when a peer died under it: not a reason to stop the run
-_PEER_LOST = ("DistBackendError", "DistNetworkError", "DistStoreError")
-_PEER_WORDS = ("gloo", "connection closed by peer", "connection reset", "broken pipe", "timed out")
 
 
 # Trainers are forked from the launcher when that is safe: each then starts without importing torch
@@ -128,11 +126,6 @@ def _needs(cfg: RunConfig, num_seeds: int) -> list:
         killed=hit("shard", "node"),
         stalled=hit("stall"),
     )
-
-
-def _peer_lost(err: dict) -> bool:
-    line = err.get("line", "").lower()
-    return err.get("type") in _PEER_LOST or any(w in line for w in _PEER_WORDS)
 
 
 def _signal_name(code: int) -> str:
@@ -209,9 +202,8 @@ def _launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> 
         errors = read_errors(out)
         killed = {r: f.exitcode for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
         deaths = [d for d in read_lines(layout.trainer_failures_file(out)) if d.get("time", 0) >= started]
-        fatal = [x for x in errors.values() if not _peer_lost(x)]
-        if fatal and not killed and not deaths:
-            first = sorted(fatal, key=lambda x: x["who"])[0]
+        first = first_cause(errors)
+        if first is not None and not killed and not deaths:
             raise TrainerFailed(f"{first['who']}: {first['line']} (traceback in {layout.errors_dir(out)})")
         # the agent reports the first dead trainer it finds; a trainer that ended because its peer
         # was killed may be the one, so a death the injector recorded names the rank

@@ -44,7 +44,7 @@ from recovery.accounting import Ledger
 from recovery.core import RecoveryCore
 from recovery.durable import layout
 from recovery.durable.files import write_atomic
-from recovery.errors import RecoveryError
+from recovery.errors import PeerError, RecoveryError
 from recovery.journal import Journal
 from recovery.protocol import Action, Outcome, Verdict
 from recovery.restore.strategies import Restorer
@@ -340,7 +340,7 @@ class TrainThrough:
         if verdict.fatal:
             if error is not None:
                 raise error
-            raise RecoveryError(f"the background restore of shards {shards} failed on rank 0 (its error ends the run)")
+            raise PeerError(f"the background restore of shards {shards} failed on rank 0 (its error ends the run)")
         outage = self.outage
         counts = np.zeros(4 * n, np.float64)
         for s in shards:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
-from recsys.errors import TrainerFailed, read_errors
+from recsys.errors import TrainerFailed, first_cause, read_errors
 
 POLL_S = 0.05
 END_GRACE_S = 120.0  # once the run ended, trainers still running get this long to end too
+FATAL_GRACE_S = 10.0  # once a trainer reported an error, the others get this long to report its cause
 
 
 def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: str) -> dict | None:
@@ -128,11 +129,21 @@ class _Supervisor:
         return due
 
     def _fatal(self, i: int) -> None:
-        errors = read_errors(self.out)
-        err = errors.get(f"trainer{i}") or {"line": "exited with status 3"}
+        # the error may report another trainer's (``PeerError``): the others, which learn of it in
+        # their next collective, get a moment to write theirs, and the run ends with the cause's line
+        deadline = time.time() + FATAL_GRACE_S
+        while time.time() < deadline and any(p.exitcode is None for p in self.procs.values()):
+            first = first_cause(read_errors(self.out))
+            if first is not None and first.get("type") != "PeerError":
+                break
+            time.sleep(POLL_S)
         for p in self.procs.values():
             p.kill()
-        raise TrainerFailed(f"trainer {i}: {err['line']} (traceback in {layout.errors_dir(self.out)})")
+        first = first_cause(read_errors(self.out))
+        who, line = (first["who"], first["line"]) if first else (f"trainer{i}", "exited with status 3")
+        raise TrainerFailed(
+            f"{who.replace('trainer', 'trainer ')}: {line} (traceback in {layout.errors_dir(self.out)})"
+        )
 
     def _died(self, i: int, code: int) -> None:
         import signal
