@@ -101,6 +101,8 @@ def build_recovery(
         warn=warn or print,
     )
     manager.journal.trainer_recovery = "replace" if trainer_index is not None else "restart"
+    if trainer_index is not None and cfg.train.dense_reduce == "allreduce":  # a dead trainer's chunk waits for it
+        manager.journal.chunk_skipped = cfg.train.batch_size // (cfg.train.chunks or cfg.train.trainers)
     return RecoveryParts(manager, ckpt, injector)
 
 

@@ -27,6 +27,9 @@ class Journal:
         self.failures: list[dict] = []
         # what a trainer's death costs: the group restarts, or the others go on without it (``replace``)
         self.trainer_recovery = "restart"
+        # replace with the gradients averaged: a dead trainer's chunk, samples a step no one trains
+        # until it rejoins (``note_rejoin``, ``close_absences`` count them lost)
+        self.chunk_skipped = 0
 
     def note(self, what: str) -> None:
         """One line of the run's recovery journal (``{run}/recovery.log``): what was done, when."""
@@ -137,6 +140,8 @@ class Journal:
             }
             if self.trainer_recovery == "replace":  # the replacement's heal and rejoin: ``note_rejoin``
                 rec.update(heal_s=None, rejoin_step=None, resumed_step=step + 1)
+                if self.chunk_skipped:
+                    rec["chunk_samples_skipped_per_step"] = self.chunk_skipped
             self.record(rec)
             rolled = 0  # counted once, on the first
 
@@ -144,19 +149,49 @@ class Journal:
         """Rank 0: trainer ``index``'s replacement trains from ``step``, healed in ``heal_s`` from a
         live peer (``from_peer``; else from the per-step dense state, with the others): the newest
         record of its death says so (rewritten in place), and one line. ``dense_equal``: its dense
-        model and optimizer state equal every other trainer's, bit for bit, as it joins."""
+        model and optimizer state equal every other trainer's, bit for bit, as it joins. Where its
+        chunk was skipped meanwhile (``chunk_skipped``), the samples from the record's
+        ``resumed_step`` to ``step`` are counted lost."""
         if self.rank != 0 or self.run_dir is None:
             return
+        rec = self._absent(index)
+        if rec is None:
+            return
+        rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
+        rec["healed_from"] = "peer" if from_peer else "dense state"
+        rec["dense_equal_at_rejoin"] = dense_equal
+        self._count_skipped(rec, step)
+        self._rewrite()
+        how = f"healed from a live peer in {heal_s:.2f} s" if from_peer else "from the per-step dense state"
+        lost = f", {rec['samples_lost']:,} samples of its chunk skipped meanwhile" if self.chunk_skipped else ""
+        self.say(f"trainer {index} rejoined at step {step}: {how}{lost}")
+
+    def close_absences(self, end_step: int) -> None:
+        """Rank 0, as the run ends: a dead trainer that never rejoined (no replacement left, or the
+        run ended first) had its chunk skipped to the run's end, where it is (``chunk_skipped``):
+        counted lost. With the chunks reduced in order the others trained it: nothing to count."""
+        if self.rank != 0 or self.run_dir is None or not self.chunk_skipped:
+            return
+        open_recs = [r for r in self.failures if r.get("strategy") == "replace" and r.get("rejoin_step") is None]
+        for rec in open_recs:
+            self._count_skipped(rec, end_step + 1)
+        if open_recs:
+            self._rewrite()
+
+    def _absent(self, index: int) -> dict | None:
         for rec in reversed(self.failures):
             if rec.get("strategy") == "replace" and rec.get("target") == index and rec.get("rejoin_step") is None:
-                rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
-                rec["healed_from"] = "peer" if from_peer else "dense state"
-                rec["dense_equal_at_rejoin"] = dense_equal
-                lines = "".join(json.dumps(r) + "\n" for r in self.failures)
-                write_atomic(layout.failures_file(self.run_dir), lines)
-                how = f"healed from a live peer in {heal_s:.2f} s" if from_peer else "from the per-step dense state"
-                self.say(f"trainer {index} rejoined at step {step}: {how}")
-                return
+                return rec
+        return None
+
+    def _count_skipped(self, rec: dict, until: int) -> None:
+        if self.chunk_skipped:
+            lost = max(0, until - int(rec.get("resumed_step") or until)) * self.chunk_skipped
+            rec["samples_lost"], rec["lost_samples"] = lost, float(lost)
+
+    def _rewrite(self) -> None:
+        lines = "".join(json.dumps(r) + "\n" for r in self.failures)
+        write_atomic(layout.failures_file(self.run_dir), lines)
 
 
 def stale_words(recs: list[dict]) -> str:
@@ -173,8 +208,13 @@ def failure_line(rec: dict) -> str:
         return (
             f"failure: {rec.get('kind', 'trainer')} {rec.get('target')} at step {rec.get('step')}: the other "
             f"trainers went on from step {rec.get('resumed_step')} after {float(rec.get('waited_s') or 0):.2f} s "
-            f"({int(rec.get('replayed_steps') or 0)} steps redone), {int(rec.get('samples_lost') or 0):,} samples lost; "
-            "a replacement heals from them"
+            f"({int(rec.get('replayed_steps') or 0)} steps redone), "
+            + (
+                f"its chunk ({rec['chunk_samples_skipped_per_step']:,} samples a step) skipped until it rejoins; "
+                if rec.get("chunk_samples_skipped_per_step")
+                else f"{int(rec.get('samples_lost') or 0):,} samples lost; "
+            )
+            + "a replacement heals from them"
         )
     if rec.get("strategy") == "restart":  # a trainer's (or a node's) death
         return (

@@ -132,7 +132,8 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "train",
         "dense_reduce",
         str,
-        "chunks (gathered, summed in chunk order: exact at any trainer count) or allreduce (torch DDP)",
+        "chunks (gathered, summed in chunk order: exact at any trainer count) or allreduce (averaged: "
+        "DDP under restart; under replace a dead trainer's chunk is skipped until it rejoins, counted lost)",
     ),
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),

@@ -313,7 +313,9 @@ class TrainConfig:
     dense_reduce: str = "chunks"
     """How the dense gradients are reduced over trainers: ``chunks`` (every chunk's gradients
     gathered and summed in chunk order: exact whatever the number of trainers) or ``allreduce``
-    (torch's DDP: overlapped with backward, summed in the ring's order; one chunk per trainer)."""
+    (one chunk per trainer, its gradients all-reduced and averaged: torch's DDP under
+    ``--trainer-recovery restart``; under ``replace`` torchft's way, where a quorum without a dead
+    trainer skips its chunk until its replacement joins, and the run counts those samples lost)."""
 
     def __post_init__(self) -> None:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
@@ -631,8 +633,6 @@ class RunConfig:
                 mode,
                 "replace needs --trainers 2 or more on the Redis tier (--embeddings redis)",
             )
-            chunks = self.train.dense_reduce == "chunks"
-            _check(chunks, "trainer_recovery", mode, "replace reduces in chunk order: needs --dense-reduce chunks")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -678,12 +678,12 @@ class RunConfig:
 
     @property
     def replaces_trainers(self) -> bool:
-        """``--trainer-recovery replace``, or ``auto`` with 2+ trainers on the tier, chunks, no torchrun."""
+        """``--trainer-recovery replace``, or ``auto`` with 2+ trainers on the tier, no torchrun."""
         mode, t = self.recovery.trainer_recovery, self.train
         if mode != "auto":
             return mode == "replace"
         tier = self.embeddings.embeddings == "redis" and "TORCHELASTIC_RUN_ID" not in os.environ
-        return t.trainers > 1 and t.dense_reduce == "chunks" and tier
+        return t.trainers > 1 and tier
 
     @property
     def checkpoint_dir(self) -> str:

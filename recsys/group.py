@@ -64,16 +64,39 @@ class TrainerGroup:
     """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
     trained by trainer ``c % world_size``. ``exact``: the dense gradients are gathered and summed in
     chunk order (``reduce_dense``), not all-reduced by DDP. ``comm``: where the collectives run
-    (torch's default group; under ``--trainer-recovery replace`` the quorum's, ``recsys.quorum.replica``)."""
+    (torch's default group; under ``--trainer-recovery replace`` the quorum's, ``recsys.quorum.replica``).
 
-    def __init__(self, world_size: int = 1, rank: int = 0, num_chunks: int = 0, exact: bool = True, comm=None) -> None:
+    ``own_chunk`` (``--dense-reduce allreduce`` under ``replace``, torchft's way): this trainer
+    trains chunk ``own_chunk`` of the ``num_chunks`` alone, whatever the quorum; the chunks of
+    trainers not in it are skipped, and each step's gradients are averaged over the chunks trained
+    (all-reduced: within float error of the chunk order, not bit for bit)."""
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        rank: int = 0,
+        num_chunks: int = 0,
+        exact: bool = True,
+        comm=None,
+        own_chunk: int | None = None,
+    ) -> None:
         self.world_size, self.rank = world_size, rank
         self.comm = comm if comm is not None else TorchDist()
         self.num_chunks = num_chunks or world_size
         if self.num_chunks < world_size:
             raise ValueError(f"chunks={num_chunks}: fewer chunks than the {world_size} trainers")
+        self.data_chunks = self.num_chunks
+        """The chunks each global batch is cut into (the readers'); ``num_chunks``: those trained."""
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
+        self.averages = own_chunk is not None
+        if own_chunk is not None:
+            self.chunks, self.num_chunks, self.exact = [own_chunk], world_size, False
+
+    @property
+    def skipped_chunks(self) -> int:
+        """Chunks of each step no trainer trains (``own_chunk``: the trainers outside the quorum's)."""
+        return self.data_chunks - self.num_chunks
 
     @property
     def solo(self) -> bool:
@@ -82,7 +105,7 @@ class TrainerGroup:
     @property
     def reduces_dense(self) -> bool:
         """The dense gradients are reduced here (``reduce_dense``), not in DDP's backward."""
-        return self.exact and self.num_chunks > 1
+        return (self.exact and self.num_chunks > 1) or (self.averages and not self.solo)
 
     def chunks_of(self, rank: int) -> list[int]:
         return [c for c in range(self.num_chunks) if c % self.world_size == rank]
@@ -94,7 +117,7 @@ class TrainerGroup:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model whose backward reduces its dense gradients over the group (DDP); the model
         itself where there is no group or the gradients are reduced in chunk order."""
-        if self.solo or self.exact:
+        if self.solo or self.exact or self.averages:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -182,9 +205,13 @@ class TrainerGroup:
     def reduce_dense(self, params: list[torch.nn.Parameter], flats: list[torch.Tensor]) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
-        the same bits whichever trainers computed which chunks."""
+        the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
+        divided by the chunks trained."""
         mine = torch.stack(flats)
-        if self.solo:
+        if self.averages:
+            rows = [mine.sum(0)]
+            self.comm.all_reduce(rows[0])
+        elif self.solo:
             rows = list(mine)
         else:
             most = len(self.chunks_of(0))  # trainer 0 has the most chunks

@@ -85,8 +85,8 @@ def chunk_reader(source, batch_size: int, group: TrainerGroup, prepare) -> Batch
     """This trainer's reader: its chunk of each global batch, or its chunks (a list a step)."""
     kw = {"epochs": 1 << 30, "read_ahead": True, "prepare": prepare}
     if len(group.chunks) == 1:
-        return BatchReader(source, batch_size, world_size=group.num_chunks, rank=group.chunks[0], **kw)
-    return ChunkReader(source, batch_size, group.chunks, group.num_chunks, **kw)
+        return BatchReader(source, batch_size, world_size=group.data_chunks, rank=group.chunks[0], **kw)
+    return ChunkReader(source, batch_size, group.chunks, group.data_chunks, **kw)
 
 
 def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -682,6 +682,7 @@ class Trainer:
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
+        self.recovery.journal.close_absences(self.steps)  # a dead trainer that never rejoined: its chunk skipped
         kept = None if keeper is None else keep_model(keeper, self.state_dict(self.steps), self.namespace, self.cfg)
         summary = run_summary(
             self.cfg,

@@ -44,6 +44,16 @@ def agree(
     return group.max_flags(v)
 
 
+def quorum_group(cfg, q: Quorum, index: int, comm) -> TrainerGroup:
+    """The group of trainer ``index`` in quorum ``q``: the chunks of the run's trainers shared by
+    the quorum's (chunk order), or, under ``--dense-reduce allreduce``, its own chunk alone (the
+    chunks of trainers outside the quorum skipped, the gradients averaged over those trained)."""
+    chunks = cfg.train.chunks or cfg.train.trainers
+    if cfg.train.dense_reduce == "allreduce":
+        return TrainerGroup(len(q.members), q.rank, chunks, exact=False, comm=comm, own_chunk=index)
+    return TrainerGroup(len(q.members), q.rank, chunks, comm=comm)
+
+
 def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str) -> dict | None:
     """Train as trainer ``index`` of the quorum until the run ends; -> rank 0's summary at the end
     (None elsewhere, and for a replacement that came after the others finished)."""
@@ -64,7 +74,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
         while True:
             if prev is None and len(q.members) == 1 and marks.has_ended():
                 return None  # a replacement alone at a run that ended meanwhile
-            group = TrainerGroup(len(q.members), q.rank, cfg.train.chunks or cfg.train.trainers, comm=replica.comm)
+            group = quorum_group(cfg, q, index, replica.comm)
             healed = None
             if q.healed is not None:
                 healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")

@@ -121,14 +121,16 @@ def run_summary(
     recovery; ``injected``: the injections that fired; ``store``: None where the rows live in
     this process."""
     steps, G = cfg.train.steps, cfg.train.batch_size
+    # --dense-reduce allreduce under replace: a dead trainer's chunk skipped until it rejoined
+    skipped = sum(int(f.get("samples_lost") or 0) for f in failures if f.get("strategy") == "replace")
     return {
         "steps_completed": steps,
-        "samples_trained": steps * G,
+        "samples_trained": steps * G - skipped,
         # the whole run, restarts included: a run with a failure never reads faster than without
         "wall_seconds": round(wall + wall_before, 3),
         "wall_seconds_before_restart": round(wall_before, 3),
         "setup_seconds": round(t0 - t_setup, 3),
-        "throughput_samples_per_s": round(steps * G / (wall + wall_before), 1),
+        "throughput_samples_per_s": round((steps * G - skipped) / (wall + wall_before), 1),
         "throughput_after_warmup_samples_per_s": after_warmup(warm, steps, G, t0 + wall),
         "final_auc": final["auc"],
         "final_logloss": final["logloss"],
@@ -137,7 +139,7 @@ def run_summary(
         "failures": failures,
         "injected": [{k: r[k] for k in ("spec", "step", "t")} for r in injected],
         "injections_not_fired": not_fired,
-        "pls": pls(lost, steps * G),  # rank 0's losses: every partial recovery of the run
+        "pls": pls([*lost, skipped], steps * G),  # rank 0's losses: every partial recovery, every chunk skipped
         # what training through relaxed: rows read at a stale value, updates applied on a later value
         "rows_read_stale": sum(int(f.get("rows_read_fallback") or 0) for f in failures),
         "updates_applied_late": sum(int(f.get("updates_applied_late") or 0) for f in failures),
