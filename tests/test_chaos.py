@@ -138,7 +138,7 @@ def baseline_windows(tmp_path_factory) -> dict:
     return train_cli(tmp_path_factory.mktemp("chaos-base-1"), *ONE, "--recovery", "log", timeout=420)
 
 
-@pytest.mark.parametrize("strategy", ["log", "full"])
+@pytest.mark.parametrize("strategy", ["log"])  # full under windows: test_failures' drawn-step cases
 def test_write_behind_windows_survive_chaos_bit_for_bit(tmp_path, baseline_windows, strategy):
     """One trainer writing its rows in windows of 5 steps: shard kills, a stall and a trainer kill at
     random moments (inside windows, or while one is written) end on the failure-free run's rows."""
