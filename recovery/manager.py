@@ -300,7 +300,10 @@ class RecoveryManager:
         if self.through is not None:
             self.through.end(step, why)
 
-    def summary_failures(self) -> list[dict]:
+    def summary_failures(self, last_step: int) -> list[dict]:
+        """The run's failure records as it ends at ``last_step`` (a dead trainer that never rejoined:
+        its chunk skipped to the end, where it was, ``Journal.close_absences``)."""
+        self.journal.close_absences(last_step)
         return self.journal.summary()
 
     # -- starts and restarts (``recovery.restore.trainer_restart``) ------------------------------------------------

@@ -682,7 +682,6 @@ class Trainer:
         out = self.recovery.run_phase(self.steps, "final", final)
         if out.rolled_back or self.rank != 0:
             return out, None
-        self.recovery.journal.close_absences(self.steps)  # a dead trainer that never rejoined: its chunk skipped
         kept = None if keeper is None else keep_model(keeper, self.state_dict(self.steps), self.namespace, self.cfg)
         summary = run_summary(
             self.cfg,
@@ -697,7 +696,7 @@ class Trainer:
             final=res["eval"],
             digest=res["digest"],
             ceiling_auc=self.data.ceiling_auc,
-            failures=self.recovery.summary_failures(),
+            failures=self.recovery.summary_failures(self.steps),
             lost=self.recovery.lost,
             injected=self.injector.fired() if self.injector is not None else [],
             not_fired=self.injector.not_fired() if self.injector is not None else [],

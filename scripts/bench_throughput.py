@@ -9,7 +9,8 @@ count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, th
 trainer restarts on, and with one trainer rows written once per window of 16 steps; the goal
 configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``: no per-step dense state, what
 the fused engine never writes; and with the bench's ``--write-every K``, default 1: each row written
-to its shard after every step that updates it). The limit row is the design's own ceiling on
+to its shard after every step that updates it; several trainers on 2 shards also under
+``--trainer-recovery restart``, beside the default ``replace``: the quorum's cost). The limit row is the design's own ceiling on
 this machine: the same loop (1 trainer, 2 shards, every row held, defaults) with its row writes built
 and never sent (``RECSYS_ROWS_NOWHERE=1``, refused anywhere a row would be read back). The project's DLRM computes
 torchrec's interaction with one flat pick (``recsys.model.PairInteraction``); a row gives the fused
@@ -545,6 +546,11 @@ def measure(args) -> tuple[list, list, list]:
                             summary,
                         )
                     )
+                    if w > 1 and s == 2 and not prefetch:  # the quorum's cost: replace (the default) beside restart
+                        cfg = config(args, out.with_name(out.name + "-restart"), "redis", s, False, w)
+                        cfg.recovery.trainer_recovery = "restart"
+                        summary = run(cfg)
+                        rows.append(tier_row("redis tier, --trainer-recovery restart", s, w, label, summary))
                     if (s, w, prefetch) == (2, 1, False):  # what the per-step dense save for restarts costs
                         summary = run(
                             config(args, out.with_name(out.name + "-norestart"), "redis", s, False, w, restarts=False)

@@ -16,7 +16,8 @@ run's AUC, interpolated, at the failure-free run's wall time). One plot: AUC aga
 seconds for every run.
 
     python scripts/bench_trainer_death.py [--trainers 2,3] [--restart-delays 0,30] [--steps 400]
-        [--batch-size 512] [--kill-step 200] [--out runs/bench_trainer_death]
+        [--batch-size 510] [--kill-step 200] [--modes restart,replace] [--dense-reduce chunks|allreduce]
+        [--out runs/bench_trainer_death]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def run(out: Path, args, trainers: int, extra: list[str]) -> dict:
         sys.executable, "-m", "recsys", "train", "--trainers", str(trainers), "--shards", str(args.shards),
         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--recovery", "log",
         "--checkpoint-every", str(args.checkpoint_every), "--eval-every", str(args.eval_every),
-        "--eval-samples", str(args.eval_samples), "--no-keep-model", "--out", str(out), *extra,
+        "--eval-samples", str(args.eval_samples), "--no-keep-model", "--dense-reduce", args.dense_reduce,
+        "--out", str(out), *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -66,6 +68,12 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-samples", type=int, default=16384)
+    ap.add_argument("--modes", default="restart,replace", help="the --trainer-recovery modes to compare")
+    ap.add_argument(
+        "--dense-reduce",
+        default="chunks",
+        help="chunks (exact: the dead trainer's chunk trained by the others) or allreduce (skipped until it rejoins)",
+    )
     ap.add_argument("--out", default="runs/bench_trainer_death")
     args = ap.parse_args()
     root = Path(args.out)
@@ -75,7 +83,7 @@ def main() -> None:
         curves[f"{trainers} trainers, no failure"] = base["curve"]
         t_ref = base["summary"]["wall_seconds"]
         for delay in [float(x) for x in args.restart_delays.split(",")]:
-            for mode in ("restart", "replace"):
+            for mode in args.modes.split(","):
                 name = f"w{trainers}_{mode}_d{delay:g}"
                 kill = ["--trainer-recovery", mode, "--inject", f"trainer:1@step={args.kill_step}"]
                 r = run(root / name, args, trainers, [*kill, "--restart-delay", str(delay)])
@@ -94,6 +102,8 @@ def main() -> None:
                         "bit_identical": s["embedding_digest"] == base["summary"]["embedding_digest"],
                         "auc_at_equal_wall": round(auc_at(r["curve"], t_ref), 4),
                         "auc_no_failure": round(base["summary"]["final_auc"], 4),
+                        "final_auc": round(s["final_auc"], 4),
+                        "pls": round(s["pls"], 4),
                         "rejoin_step": rec.get("rejoin_step"),
                         "heal_s": rec.get("heal_s"),
                     }
@@ -102,14 +112,16 @@ def main() -> None:
     (root / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print()
     print(
-        "| trainers | mode | restart delay s | survivors waited s | extra wall s (summary / outside) | samples lost | bit-identical | AUC at equal wall (no failure) |"
+        "| trainers | mode | restart delay s | survivors waited s | extra wall s (summary / outside) | samples lost "
+        "(PLS) | bit-identical | AUC at equal wall (no failure) | final AUC (no failure) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['trainers']} | {r['mode']} | {r['restart_delay_s']:g} | {r['waited_s']:.2f} | "
-            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f} | {r['samples_lost']} | {r['bit_identical']} | "
-            f"{r['auc_at_equal_wall']:.4f} ({r['auc_no_failure']:.4f}) |"
+            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f} | {r['samples_lost']} ({r['pls']:.4f}) | "
+            f"{r['bit_identical']} | {r['auc_at_equal_wall']:.4f} ({r['auc_no_failure']:.4f}) | "
+            f"{r['final_auc']:.4f} ({r['auc_no_failure']:.4f}) |"
         )
     plot(curves, root / "auc_vs_wall.png", args)
     print(f"\nplot: {root / 'auc_vs_wall.png'}")
