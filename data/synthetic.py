@@ -17,6 +17,7 @@ that a trained model can reach.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -177,8 +178,10 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
 
 
+@functools.lru_cache(maxsize=8)
 def teacher_auc(cfg: SyntheticConfig, num_samples: int = 200_000) -> float:
-    """The ceiling: the teacher's own AUC on the first ``num_samples`` of the eval split."""
+    """The ceiling: the teacher's own AUC on the first ``num_samples`` of the eval split (kept per
+    process: a trainer built again for a new quorum does not compute it again)."""
     s = SyntheticSource(cfg, "eval").read(0, num_samples)
     return auc(s.probs, s.labels)
 

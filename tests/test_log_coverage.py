@@ -105,3 +105,24 @@ def test_truncation_keeps_damaged_records_for_the_replay_to_name(tmp_path):
     assert max(steps) == 8
     with pytest.raises(LogGapError, match="fails its CRC"):
         log.replay(0, 8)
+
+
+@pytest.mark.parametrize("flip", [0x10, 0x08], ids=["step-field-says-later", "step-field-says-earlier"])
+def test_truncation_reads_only_the_framing_before_the_later_steps_and_cuts_the_same_bytes(tmp_path, flip):
+    """``truncate_after`` checks CRCs only from the first record whose step field says a later step:
+    a damaged record of step 9 whose step field now says another step stays as it is whatever it
+    says, the valid records of steps 9 and 10 go, and a torn tail goes too."""
+    log = write(tmp_path, segments=((1, range(1, 11)),))
+    seg = log.segments()[0]
+    out, end, _ = entries(seg)
+    at = next(e.offset for e in out if e.record is not None and e.record.step == 9)
+    data = bytearray(seg.read_bytes())
+    data[at + 12] ^= flip  # the step field (after the 12-byte header): its CRC fails now
+    seg.write_bytes(bytes(data) + b"\x00" * 7)  # and a torn record header after the last record
+    log.truncate_after(8)
+    after, end_after, why = entries(seg)
+    assert why == "" and end_after == seg.stat().st_size  # the torn tail went
+    assert max(e.record.step for e in after if e.record is not None) == 8
+    assert [e.offset for e in after if e.record is None] == [at]  # the damaged record stayed, where it was
+    assert seg.read_bytes()[: at + 1] == bytes(data[: at + 1])
+    assert log.replay(0, 8)[1] == 8  # damage past the needed steps is harmless

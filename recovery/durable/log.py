@@ -106,11 +106,28 @@ class Entry:
     record: LogRecord | None
 
 
-def entries(path: Path) -> tuple[list[Entry], int, str]:
+def frames(data: bytes | memoryview) -> tuple[list[tuple[int, int]], int]:
+    """The framing of a segment's bytes alone, no CRC checked, nothing decoded: -> ([(offset, the
+    step field)] per framed record, where the framing ends: ``entries``' end). A step field is
+    what the bytes say; only a record whose CRC holds (``entries``) vouches for it."""
+    out, pos, size = [], 0, len(data)
+    least = _STEP.size + codec.HEAD.size
+    while pos + _HEADER.size <= size:
+        magic, length, _ = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + length
+        if magic != MAGIC or length < least or end > size:
+            break
+        out.append((pos, _STEP.unpack_from(data, pos + _HEADER.size)[0]))
+        pos = end
+    return out, pos
+
+
+def entries(path: Path, data: bytes | None = None, start: int = 0) -> tuple[list[Entry], int, str]:
     """Every framed record of a segment, damaged ones included (the framing goes on past a bad CRC),
-    -> (entries, where they end, why they end there: "" at the end of the file)."""
-    data = memoryview(path.read_bytes())  # records are views of one read, not copies
-    out, pos, why = [], 0, ""
+    -> (entries, where they end, why they end there: "" at the end of the file). ``data``: the
+    segment's bytes, read already; ``start``: the offset of a record boundary to begin at."""
+    data = memoryview(path.read_bytes() if data is None else data)  # records are views of one read, not copies
+    out, pos, why = [], start, ""
     while pos < len(data):
         if pos + _HEADER.size > len(data):
             why = f"a torn record header at byte {pos}"
@@ -366,8 +383,16 @@ class ShardLog:
                 seg.unlink()
                 removed = True
                 continue
-            out, end, _ = entries(seg)
             data = seg.read_bytes()
+            framed, end = frames(data)
+            # a record before the first that says a later step is kept as it is, whatever its CRC:
+            # only the records from there on are checked (a regroup cuts the last step's, the tail)
+            first = next((at for at, s in framed if s > step), None)
+            if first is None:
+                if end < len(data):  # a torn tail goes
+                    write_atomic(seg, data[:end])
+                continue
+            out, end, _ = entries(seg, data, first)
             bounds = [e.offset for e in out[1:]] + [end]
             # the bytes up to the first record of a later step stay as they are, damaged records
             # included (a replay that needs their steps names them); a torn tail goes
@@ -417,7 +442,7 @@ def repair(path: Path) -> int:
     """Cut a torn tail (a record whose framing or length runs past the end) at the last whole
     record; returns bytes cut. A whole record failing its CRC stays: a replay that needs its step
     names it."""
-    _, end, _ = entries(path)
+    _, end = frames(path.read_bytes())
     size = path.stat().st_size
     if end < size:
         with open(path, "r+b") as f:
