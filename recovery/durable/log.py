@@ -390,22 +390,22 @@ class ShardLog:
             first = next((at for at, s in framed if s > step), None)
             if first is None:
                 if end < len(data):  # a torn tail goes
-                    write_atomic(seg, data[:end])
+                    _truncate(seg, end)
                 continue
             out, end, _ = entries(seg, data, first)
             bounds = [e.offset for e in out[1:]] + [end]
             # the bytes up to the first record of a later step stay as they are, damaged records
             # included (a replay that needs their steps names them); a torn tail goes
             cut = next((e.offset for e in out if e.record is not None and e.record.step > step), end)
-            keep = [data[:cut]]
-            keep += [
+            later = [
                 data[e.offset : b]
                 for e, b in zip(out, bounds)
                 if e.offset >= cut and e.record is not None and e.record.step <= step
             ]
-            keep = b"".join(keep)
-            if len(keep) != len(data):
-                write_atomic(seg, keep)
+            if later:
+                write_atomic(seg, b"".join([data[:cut], *later]))
+            elif cut < len(data):
+                _truncate(seg, cut)  # the tail goes: the file cut in place, not written again
         if removed:
             fsync_dir(self.dir)
 
@@ -445,8 +445,14 @@ def repair(path: Path) -> int:
     _, end = frames(path.read_bytes())
     size = path.stat().st_size
     if end < size:
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
+        _truncate(path, end)
     return size - end
+
+
+def _truncate(path: Path, size: int) -> None:
+    """The file cut to its first ``size`` bytes, durably (a crash before leaves the longer file,
+    which the next cut finds again)."""
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
