@@ -145,49 +145,67 @@ class Journal:
             self.record(rec)
             rolled = 0  # counted once, on the first
 
-    def note_rejoin(self, index: int, step: int, heal_s: float, from_peer: bool, dense_equal: bool) -> None:
-        """Rank 0: trainer ``index``'s replacement trains from ``step``, healed in ``heal_s`` from a
-        live peer (``from_peer``; else from the per-step dense state, with the others): the newest
-        record of its death says so (rewritten in place), and one line. ``dense_equal``: its dense
-        model and optimizer state equal every other trainer's, bit for bit, as it joins. Where its
-        chunk was skipped meanwhile (``chunk_skipped``), the samples from the record's
-        ``resumed_step`` to ``step`` are counted lost."""
+    def note_rejoin(
+        self, index: int, step: int, heal_s: float = 0.0, from_peer: bool = False, dense_equal: bool | None = None
+    ) -> None:
+        """Rank 0: trainer ``index`` trains again from ``step`` (its replacement joined, healed in
+        ``heal_s`` from a live peer where ``from_peer``, else from the per-step dense state with the
+        others; or it is back in a later quorum, a resumed run's first): every open record of its
+        deaths says so (rewritten in place), and one line. ``dense_equal``: its dense model and
+        optimizer state equal every other trainer's, bit for bit, as it joins (None: not compared).
+        Where its chunk was skipped meanwhile (``chunk_skipped``), the samples from the oldest open
+        record's ``resumed_step`` to ``step`` are counted lost, once (a replacement killed before it
+        joined left a second record of the same absence)."""
         if self.rank != 0 or self.run_dir is None:
             return
-        rec = self._absent(index)
-        if rec is None:
+        recs = self._open(index)
+        if not recs:
             return
-        rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
-        rec["healed_from"] = "peer" if from_peer else "dense state"
-        rec["dense_equal_at_rejoin"] = dense_equal
-        self._count_skipped(rec, step)
+        for rec in recs:
+            rec["rejoin_step"], rec["heal_s"] = step, round(heal_s, 4)
+            rec["healed_from"] = "peer" if from_peer else "dense state"
+            rec["dense_equal_at_rejoin"] = dense_equal
+        self._count_skipped(recs, step)
         self._rewrite()
         how = f"healed from a live peer in {heal_s:.2f} s" if from_peer else "from the per-step dense state"
-        lost = f", {rec['samples_lost']:,} samples of its chunk skipped meanwhile" if self.chunk_skipped else ""
-        self.say(f"trainer {index} rejoined at step {step}: {how}{lost}")
+        lost = sum(int(r.get("samples_lost") or 0) for r in recs)
+        skipped = f", {lost:,} samples of its chunk skipped meanwhile" if self.chunk_skipped else ""
+        self.say(f"trainer {index} rejoined at step {step}: {how}{skipped}")
+
+    def absent(self, index: int) -> bool:
+        """Whether a death of trainer ``index`` is recorded and it has not trained since."""
+        return bool(self._open(index))
 
     def close_absences(self, end_step: int) -> None:
         """Rank 0, as the run ends: a dead trainer that never rejoined (no replacement left, or the
         run ended first) had its chunk skipped to the run's end, where it is (``chunk_skipped``):
-        counted lost. With the chunks reduced in order the others trained it: nothing to count."""
+        counted lost, once per absence. With the chunks reduced in order the others trained it."""
         if self.rank != 0 or self.run_dir is None or not self.chunk_skipped:
             return
-        open_recs = [r for r in self.failures if r.get("strategy") == "replace" and r.get("rejoin_step") is None]
-        for rec in open_recs:
-            self._count_skipped(rec, end_step + 1)
-        if open_recs:
+        targets = {
+            r.get("target") for r in self.failures if r.get("strategy") == "replace" and r.get("rejoin_step") is None
+        }
+        for index in targets:
+            self._count_skipped(self._open(index), end_step + 1)
+        if targets:
             self._rewrite()
 
-    def _absent(self, index: int) -> dict | None:
-        for rec in reversed(self.failures):
-            if rec.get("strategy") == "replace" and rec.get("target") == index and rec.get("rejoin_step") is None:
-                return rec
-        return None
+    def _open(self, index: int) -> list[dict]:
+        """The records of trainer ``index``'s deaths it has not rejoined since, oldest first."""
+        return [
+            r
+            for r in self.failures
+            if r.get("strategy") == "replace" and r.get("target") == index and r.get("rejoin_step") is None
+        ]
 
-    def _count_skipped(self, rec: dict, until: int) -> None:
-        if self.chunk_skipped:
-            lost = max(0, until - int(rec.get("resumed_step") or until)) * self.chunk_skipped
-            rec["samples_lost"], rec["lost_samples"] = lost, float(lost)
+    def _count_skipped(self, recs: list[dict], until: int) -> None:
+        """One absence's records: the oldest counts its chunk from its ``resumed_step`` to ``until``."""
+        if self.chunk_skipped and recs:
+            first = recs[0]
+            lost = max(0, until - int(first.get("resumed_step") or until)) * self.chunk_skipped
+            for rec in recs:
+                n = lost if rec is first else 0
+                rec["samples_lost"], rec["lost_samples"] = n, float(n)
 
     def _rewrite(self) -> None:
         lines = "".join(json.dumps(r) + "\n" for r in self.failures)

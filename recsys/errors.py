@@ -117,10 +117,17 @@ def peer_lost(err: dict) -> bool:
 
 def first_cause(errors: dict[str, dict]) -> dict | None:
     """The error that ends the run: a trainer's own before one that reports another's
-    (``PeerError``), the lowest trainer first; None where every record is a lost peer."""
-    own = [e for e in errors.values() if not peer_lost(e)]
-    own.sort(key=lambda e: (e.get("type") == "PeerError", e.get("who", "")))
+    (``PeerError``), the lowest trainer first; None where every trainer's record is a lost peer
+    (the command's own record, ``main``, is not a trainer's)."""
+    own = [e for e in errors.values() if not peer_lost(e) and e.get("who", "").startswith("trainer")]
+    own.sort(key=lambda e: (e.get("type") == "PeerError", _trainer_number(e.get("who", ""))))
     return own[0] if own else None
+
+
+def _trainer_number(who: str) -> int:
+    """``trainer12`` -> 12 (trainer 10 after trainer 2)."""
+    digits = who.removeprefix("trainer")
+    return int(digits) if digits.isdigit() else 1 << 30
 
 
 def default_signals() -> None:

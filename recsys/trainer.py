@@ -599,10 +599,14 @@ class Trainer:
         if out.rolled_back:
             self.roll_back(out.to_step)
         if epoch is not None:
+            journal = self.recovery.journal
             if epoch.joined:  # the newcomers hold what every other trainer holds, bit for bit
                 equal = same_everywhere(self.group, dense_crc(self))
                 for i, from_peer in epoch.joined.items():
-                    self.recovery.journal.note_rejoin(i, self.step, epoch.heal_s, from_peer, equal)
+                    journal.note_rejoin(i, self.step, epoch.heal_s, from_peer, equal)
+            for i in set(epoch.members) - set(epoch.joined):  # back without a join (a resumed run's first quorum)
+                if journal.absent(i):
+                    journal.note_rejoin(i, self.step)
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

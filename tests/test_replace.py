@@ -70,7 +70,7 @@ def test_allreduce_under_replace_skips_the_dead_trainers_chunk_and_counts_it_los
     assert ref["failures"] == [] and ref["samples_trained"] == 40 * 192 and ref["pls"] == 0
     assert abs(ref["final_auc"] - reference["final_auc"]) < 0.002, (ref["final_auc"], reference["final_auc"])
     out = tmp_path / "run"
-    s = train_cli(out, *flags, "--inject", "trainer:1@step=12", "--restart-delay", "1")
+    s = train_cli(out, *flags, "--inject", "trainer:1@step=12", "--restart-delay", "2")
     (rec,) = s["failures"]
     assert rec["strategy"] == "replace" and rec["chunk_samples_skipped_per_step"] == 96, rec
     # the survivor trains alone from resumed_step until the replacement rejoins (or to the end)
@@ -85,6 +85,29 @@ def test_allreduce_under_replace_skips_the_dead_trainers_chunk_and_counts_it_los
     assert s["embedding_digest"] != ref["embedding_digest"]  # fewer samples: not the same rows
     code, line = verify(out)
     assert code == 0, line
+
+
+def test_a_trainers_absence_is_counted_once_however_many_records_it_left(tmp_path):
+    """Skipped chunks (``--dense-reduce allreduce``): a replacement killed before it joined leaves a
+    second record of one absence; the rejoin closes both and counts the absence once, from the first
+    record's step. A trainer that never rejoined is counted to the run's end; one back in a later
+    quorum without a join (a resumed run's first) closes its records there."""
+    from recovery.journal import Journal
+
+    j = Journal(tmp_path, rank=0)
+    j.chunk_skipped = 96
+    for target, resumed in ((1, 10), (1, 15), (2, 30), (3, 5)):
+        j.record(
+            {"kind": "trainer", "target": target, "strategy": "replace", "rejoin_step": None, "resumed_step": resumed}
+        )
+    j.note_rejoin(1, 20, 0.1, True, True)
+    j.note_rejoin(3, 8)  # back at a resumed run's first quorum: from the dense state
+    j.close_absences(40)
+    lost = [(r["target"], r["samples_lost"], r["rejoin_step"]) for r in j.failures]
+    assert lost == [(1, 10 * 96, 20), (1, 0, 20), (2, 11 * 96, None), (3, 3 * 96, 8)]
+    on_disk = [json.loads(x) for x in (tmp_path / "failures.jsonl").read_text().splitlines()]
+    assert [r["samples_lost"] for r in on_disk] == [960, 0, 1056, 288]
+    assert not j.absent(1) and j.absent(2) and on_disk[3]["healed_from"] == "dense state"
 
 
 def test_replace_settings_are_checked_in_one_line():

@@ -107,15 +107,13 @@ class Entry:
 
 
 def frames(data: bytes | memoryview) -> tuple[list[tuple[int, int]], int]:
-    """The framing of a segment's bytes alone, no CRC checked, nothing decoded: -> ([(offset, the
-    step field)] per framed record, where the framing ends: ``entries``' end). A step field is
-    what the bytes say; only a record whose CRC holds (``entries``) vouches for it."""
+    """The framing of a segment's bytes alone (no CRC checked, nothing decoded): -> ([(offset, its
+    step field, unverified)] per framed record, where the framing ends: ``entries``' end)."""
     out, pos, size = [], 0, len(data)
-    least = _STEP.size + codec.HEAD.size
     while pos + _HEADER.size <= size:
         magic, length, _ = _HEADER.unpack_from(data, pos)
         end = pos + _HEADER.size + length
-        if magic != MAGIC or length < least or end > size:
+        if magic != MAGIC or length < _STEP.size + codec.HEAD.size or end > size:
             break
         out.append((pos, _STEP.unpack_from(data, pos + _HEADER.size)[0]))
         pos = end
@@ -385,17 +383,11 @@ class ShardLog:
                 continue
             data = seg.read_bytes()
             framed, end = frames(data)
-            # a record before the first that says a later step is kept as it is, whatever its CRC:
-            # only the records from there on are checked (a regroup cuts the last step's, the tail)
-            first = next((at for at, s in framed if s > step), None)
-            if first is None:
-                if end < len(data):  # a torn tail goes
-                    _truncate(seg, end)
-                continue
-            out, end, _ = entries(seg, data, first)
+            # the records before the first whose step field says a later step stay as they are,
+            # damaged ones included (a replay that needs their steps names them): only the records
+            # from there on are checked (a regroup cuts the last step's, at the tail); a torn tail goes
+            out, end, _ = entries(seg, data, next((at for at, s in framed if s > step), end))
             bounds = [e.offset for e in out[1:]] + [end]
-            # the bytes up to the first record of a later step stay as they are, damaged records
-            # included (a replay that needs their steps names them); a torn tail goes
             cut = next((e.offset for e in out if e.record is not None and e.record.step > step), end)
             later = [
                 data[e.offset : b]

@@ -26,6 +26,8 @@ class Epoch:
     """The quorum this trainer was built for: another at a step's start ends it."""
     start_state: dict | None = None
     """The state to go on from (a survivor's own, a newcomer's healed one); None: the dense state's."""
+    members: tuple[int, ...] = ()
+    """The trainers of this quorum (their indices)."""
     left: list[int] = field(default_factory=list)
     joined: dict[int, bool] = field(default_factory=dict)
     """The trainers that joined this quorum, and whether each healed from a peer (else: from the

@@ -102,6 +102,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 index,
                 q.quorum_id,
                 start_state=None if fresh else (live if live is not None else healed),
+                members=tuple(q.members),
                 left=left,
                 joined={i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
                 heal_s=float(v[2 * n : 3 * n].max()) / 1000,

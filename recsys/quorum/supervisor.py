@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
     results = ctx.Queue()
     marks = RunMarks(out, cfg.train.trainers)
     marks.clear()  # a launch begins: the first trainers meet by it, replacements know the run began
+    shutil.rmtree(layout.errors_dir(out), ignore_errors=True)  # an earlier launch's errors are not this one's
     if lighthouse is not None:  # ``--inject lighthouse@WHEN`` kills it
         os.environ["RECSYS_LIGHTHOUSE_PID"] = str(lighthouse.proc.pid)
     specs_d = [s.__dict__.copy() for s in specs]
@@ -139,7 +141,9 @@ class _Supervisor:
             time.sleep(POLL_S)
         for p in self.procs.values():
             p.kill()
-        first = first_cause(read_errors(self.out))
+        errors = read_errors(self.out)
+        # the cause's line; else this trainer's own (a lost peer it could not get past)
+        first = first_cause(errors) or errors.get(f"trainer{i}")
         who, line = (first["who"], first["line"]) if first else (f"trainer{i}", "exited with status 3")
         raise TrainerFailed(
             f"{who.replace('trainer', 'trainer ')}: {line} (traceback in {layout.errors_dir(self.out)})"
