@@ -94,11 +94,6 @@ class TrainerGroup:
             self.chunks, self.num_chunks, self.exact = [own_chunk], world_size, False
 
     @property
-    def skipped_chunks(self) -> int:
-        """Chunks of each step no trainer trains (``own_chunk``: the trainers outside the quorum's)."""
-        return self.data_chunks - self.num_chunks
-
-    @property
     def solo(self) -> bool:
         return self.world_size == 1
 

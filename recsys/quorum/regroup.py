@@ -79,29 +79,24 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             if q.healed is not None:
                 healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
             has_state = live is not None or healed is not None
+            state = live if live is not None else healed
             try:
                 v = agree(group, cfg, index, prev, q, has_state, replacement)
+                n = (len(v) - 1) // 3
+                left = [i for i in range(n) if v[i]]
+                fresh = bool(left) or bool(v[3 * n])
+                if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
+                    fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
             except PeerLost:
                 prev, live, detected = q.members, None, time.time()
                 q = _quorum(replica, 0)
                 continue
-            n = (len(v) - 1) // 3
-            left = [i for i in range(n) if v[i]]
-            fresh = bool(left) or bool(v[3 * n])
-            if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
-                state = live if live is not None else healed
-                try:
-                    fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
-                except PeerLost:
-                    prev, live, detected = q.members, None, time.time()
-                    q = _quorum(replica, 0)
-                    continue
             epoch = Epoch(
                 group,
                 replica,
                 index,
                 q.quorum_id,
-                start_state=None if fresh else (live if live is not None else healed),
+                start_state=None if fresh else state,
                 members=tuple(q.members),
                 left=left,
                 joined={i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},

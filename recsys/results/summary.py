@@ -123,14 +123,15 @@ def run_summary(
     steps, G = cfg.train.steps, cfg.train.batch_size
     # --dense-reduce allreduce under replace: a dead trainer's chunk skipped until it rejoined
     skipped = sum(int(f.get("samples_lost") or 0) for f in failures if f.get("strategy") == "replace")
+    trained = steps * G - skipped
     return {
         "steps_completed": steps,
-        "samples_trained": steps * G - skipped,
+        "samples_trained": trained,
         # the whole run, restarts included: a run with a failure never reads faster than without
         "wall_seconds": round(wall + wall_before, 3),
         "wall_seconds_before_restart": round(wall_before, 3),
         "setup_seconds": round(t0 - t_setup, 3),
-        "throughput_samples_per_s": round((steps * G - skipped) / (wall + wall_before), 1),
+        "throughput_samples_per_s": round(trained / (wall + wall_before), 1),
         "throughput_after_warmup_samples_per_s": after_warmup(warm, steps, G, t0 + wall),
         "final_auc": final["auc"],
         "final_logloss": final["logloss"],
