@@ -102,6 +102,9 @@ class Backend:
     def fresh_start(self) -> None:
         """A new run (not a resume) begins."""
 
+    def resumed_start(self) -> None:
+        """A resumed run begins, its rows back at its step."""
+
     def drain(self) -> None:
         """Forget rows read ahead (a shard was restored under them)."""
 
@@ -218,6 +221,12 @@ class StoreBackend(Backend):
         so under ``--init-from``, whose rows were written before the first step)."""
         if not self.cfg.train.init_from:
             self.store.assume_fresh()
+
+    def resumed_start(self) -> None:
+        """A resumed run, its shards back at its step: which rows of this trainer's shards exist is
+        listed from them in the background, so that a row never written is known so without a read,
+        as in a fresh run (``embeddings.store.present``)."""
+        self.store.learn_present()
 
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""

@@ -598,6 +598,7 @@ class Trainer:
         out = self.recovery.resume(self.step - 1, t_restart, size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
+        self.backend.resumed_start()
         if epoch is not None:
             journal = self.recovery.journal
             if epoch.joined:  # the newcomers hold what every other trainer holds, bit for bit

@@ -122,6 +122,20 @@ class BucketLayout:
             raise ValueError(f"field {int(offsets.max())} is past the bucket's {span} rows")
         return bucket * span + offsets
 
+    def bucket_row_ids(self, buckets: list[int], fields: list[list[bytes]], row_bytes: int) -> np.ndarray:
+        """Row ids of the ``fields`` of each of ``buckets`` at once (``row_ids`` of many buckets);
+        ValueError when a field is not one of this layout."""
+        span, fb = self.span(row_bytes), self.field_bytes
+        counts = np.array([len(f) for f in fields], np.int64)
+        joined = b"".join(x for f in fields for x in f)
+        if len(joined) != fb * int(counts.sum()):
+            bad = next(x for f in fields for x in f if len(x) != fb)
+            raise ValueError(f"field {bad!r} is not {fb} bytes")
+        offsets = np.frombuffer(joined, ">u2" if fb == 2 else np.uint8).astype(np.int64)
+        if len(offsets) and offsets.max() >= span:
+            raise ValueError(f"field {int(offsets.max())} is past the bucket's {span} rows")
+        return np.repeat(np.asarray(buckets, np.int64) * span, counts) + offsets
+
 
 _SETTINGS = (
     ("hash-max-listpack-entries", "hash-max-listpack-value"),

@@ -12,6 +12,7 @@ import numpy as np
 
 from embeddings.store.markers import Markers
 from embeddings.store.outage import OutageRows
+from embeddings.store.present import PresentRows
 from embeddings.store.reads import RowReads
 from embeddings.store.row_cache import HeldRows, RowCache
 from embeddings.store.row_space import RowSpace
@@ -23,6 +24,7 @@ class CacheFront:
 
     space: RowSpace
     cache: RowCache
+    present: PresentRows
     markers: Markers
     reads: RowReads
     writes: RowWrites
@@ -45,6 +47,15 @@ class CacheFront:
     def assume_fresh(self) -> None:
         """A fresh run: a held shard that never applied a step holds none of its rows yet (``RowCache.assume_fresh``)."""
         self.cache.assume_fresh(self.markers.applied_step)
+
+    def learn_present(self) -> None:
+        """A resumed run: the rows on each held shard listed in the background, so that a row not on
+        its shard is known never written without a read (``embeddings.store.present``)."""
+        self.present.start()
+
+    def present_stats(self) -> dict:
+        """What the last listing of a resumed run learned (``PresentRows.stats``)."""
+        return self.present.stats()
 
     def reload_held(
         self,

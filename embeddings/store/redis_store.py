@@ -35,6 +35,7 @@ from embeddings.store.buckets import BucketLayout
 from embeddings.store.cache_front import CacheFront
 from embeddings.store.evictions import EvictionWatch
 from embeddings.store.markers import Markers, decode_groups, encode_groups
+from embeddings.store.present import PresentRows
 from embeddings.store.reads import RowReads
 from embeddings.store.row_cache import RowCache
 from embeddings.store.row_space import RowSpace
@@ -136,6 +137,13 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         self.markers = Markers(links, self.space, self.cache.forget, self.writes.fit)
         self.snapshots = Snapshots(links, self.space, self.cache.forget)
         self.evictions = EvictionWatch(links, self.space)
+        self.present = PresentRows(
+            self.cache, links, self.layout, self.snapshots, self.markers, self._away, lambda line: self.warn(line)
+        )
+
+    def _away(self) -> set[int]:
+        outage = self.reads.outage
+        return set(outage.away) if outage is not None else set()
 
     @property
     def num_shards(self) -> int:
@@ -221,5 +229,6 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         return self.snapshots.clear()
 
     def close(self) -> None:
+        self.present.close()
         self.writes.close()
         self.links.close()

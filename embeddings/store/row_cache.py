@@ -311,6 +311,29 @@ class HeldRows(RowSlots):
             if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 
+    def begin_learning(self) -> int:
+        """Before a resumed run lists the rows on its shards (``embeddings.store.present``): every
+        row written from now on is marked. -> the generation the listing begins at."""
+        with self.lock:
+            if self._written is None:
+                self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
+            return self.generation
+
+    def assume_present(self, present: dict[int, np.ndarray], generation: int) -> bool:
+        """A resumed run: ``present`` is every row (packed keys) on each of those shards, listed
+        after recovery brought them back to the step it resumed from (``begin_learning`` at
+        ``generation``); a row of theirs not listed, and not written by this writer since the
+        listing began, is known never written, as in a fresh run (``assume_fresh``). Nothing is
+        learned when a shard was forgotten since (a restore, a rollback). -> whether it was learned."""
+        with self.lock:
+            if generation != self.generation or not present or self._written is None:
+                return False
+            self.version += 1
+            keys = np.concatenate(list(present.values()))
+            self._mark_written(keys[self._held[keys >> rowkeys.ROW_BITS]])
+            self._fresh |= set(present)
+            return True
+
     def _prefill(self) -> None:
         """Every row fits and none was ever written (a fresh run whose every shard this writer
         writes): each free slot takes its row's initial value now, known never written, as an engine

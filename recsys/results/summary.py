@@ -196,6 +196,8 @@ def save_figures(
         # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
         # added beyond the budget for an open window
         "row_cache": None if store is None else store.row_cache_stats(),
+        # rank 0's listing of the rows on its shards when it last resumed (``embeddings.store.present``)
+        "rows_listed_at_resume": None if store is None else store.present_stats(),
         "max_rss_mb": peak_rss_mb(),
         "checkpoint_every": schedule.every,
         "checkpoint_plan": schedule.plan,
