@@ -54,7 +54,8 @@ class CacheFront:
         self.present.start()
 
     def present_stats(self) -> dict:
-        """What the last listing of a resumed run learned (``PresentRows.stats``)."""
+        """What the last listing of a resumed run learned, once it ended (``PresentRows.stats``)."""
+        self.present.wait()
         return self.present.stats()
 
     def reload_held(

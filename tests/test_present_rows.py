@@ -1,0 +1,92 @@
+"""What a resumed trainer learns of its shards (``embeddings.store.present``): every row on them,
+listed from real redis-servers, and nothing where a shard cannot tell or changed meanwhile."""
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from embeddings import RedisStore, RowWiseAdagrad, TableSet, TableSpec
+from embeddings.rowkeys import pack
+from embeddings.store.row_cache import ABSENT, HELD, UNKNOWN
+
+pytestmark = pytest.mark.redis
+
+TABLES = TableSet([TableSpec("a", 3000, 8), TableSpec("b", 5000, 8)])
+OPT = RowWiseAdagrad(lr=0.05)
+EVERY_ROW = 1 << 26  # a budget that holds every row of TABLES
+
+
+def written_store(urls, namespace: str) -> tuple[np.ndarray, np.ndarray]:
+    """A fresh run's writer of every shard applies three steps; -> (the sorted packed keys it
+    wrote, keys it never wrote)."""
+    rng = np.random.default_rng(4)
+    wrote = set()
+    with RedisStore(urls, TABLES, OPT, namespace=namespace, seed=1) as st:
+        st.hold_rows({0, 1, 2}, EVERY_ROW)
+        st.assume_fresh()
+        for step in (1, 2, 3):
+            keys = np.unique(np.concatenate([pack(0, rng.integers(0, 3000, 400)), pack(1, rng.integers(0, 5000, 700))]))
+            st.apply_keys(keys, torch.from_numpy(rng.standard_normal((len(keys), 8)).astype(np.float32)), step)
+            wrote.update(keys.tolist())
+    every = np.concatenate([pack(0, np.arange(3000)), pack(1, np.arange(5000))])
+    keys = np.array(sorted(wrote), np.int64)
+    return keys, np.setdiff1d(every, keys)
+
+
+def resumed(urls, namespace: str, budget: int = EVERY_ROW) -> RedisStore:
+    st = RedisStore(urls, TABLES, OPT, namespace=namespace, seed=1)
+    st.hold_rows({0, 1, 2}, budget)
+    return st
+
+
+def test_a_resumed_writer_learns_every_row_on_its_shards_and_holds_them_where_they_fit(shards3, namespace):
+    wrote, never = written_store(shards3.urls, namespace)
+    with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace, seed=1) as plain:
+        want = plain.read_keys(wrote)  # from Redis: this store holds nothing
+    with resumed(shards3.urls, namespace) as st:
+        held = st.row_cache
+        assert held is not None and (held.state_of(wrote) == UNKNOWN).all()
+        assert (held.state_of(never) == UNKNOWN).all()
+        st.learn_present()
+        assert st.present.wait() == [0, 1, 2]
+        assert st.present_stats()["rows"] == len(wrote)
+        assert (held.state_of(wrote) == HELD).all()
+        assert (held.state_of(never) == ABSENT).all()
+        np.testing.assert_array_equal(held.read_keys(wrote), want)
+        # a row written after the listing began is not taken for a row never written
+        new = never[:5]
+        st.apply_keys(new, torch.ones((5, 8)), 4)
+        assert (held.state_of(new) == HELD).all()
+    with resumed(shards3.urls, namespace, budget=200 * 200) as st:  # a few hundred rows fit: presence only
+        held = st.row_cache
+        assert held is not None and not held.holds_everything()
+        st.learn_present()
+        assert st.present.wait() == [0, 1, 2]
+        assert st.present_stats()["rows"] == len(wrote) + 5
+        assert (held.state_of(wrote) == UNKNOWN).all()  # on its shard: read once when first needed
+        assert (held.state_of(never[5:]) == ABSENT).all()
+        st.clear()
+
+
+def test_nothing_is_learned_of_a_shard_started_again_empty_nor_after_a_shard_was_forgotten(shards3, namespace):
+    wrote, never = written_store(shards3.urls, namespace)
+    # shard 1's server lost everything (started again empty; recovery has yet to meet it)
+    c = redis.Redis.from_url(shards3.urls[1])
+    c.delete(*c.keys(f"{namespace}:*"))
+    with resumed(shards3.urls, namespace) as st:
+        st.learn_present()
+        assert st.present.wait() == [0, 2]
+        held = st.row_cache
+        assert held is not None
+        on_1 = st.shard_map.shard_of_keys(never) == 1
+        assert (held.state_of(never[on_1]) == UNKNOWN).all()
+        assert (held.state_of(never[~on_1]) == ABSENT).all()
+    with resumed(shards3.urls, namespace) as st:
+        held = st.row_cache
+        assert held is not None
+        generation = held.begin_learning()
+        st.cache.forget(0)  # a restore or rollback of shard 0 while the listing ran
+        assert st.present.run(generation) == []
+        assert (held.state_of(never) == UNKNOWN).all()
+        st.clear()
