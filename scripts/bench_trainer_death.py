@@ -17,7 +17,11 @@ seconds for every run.
 
     python scripts/bench_trainer_death.py [--trainers 2,3] [--restart-delays 0,30] [--steps 400]
         [--batch-size 510] [--kill-step 200] [--modes restart,replace] [--dense-reduce chunks|allreduce]
-        [--out runs/bench_trainer_death]
+        [--rounds 1] [--out runs/bench_trainer_death]
+
+With ``--rounds N`` every run is made N times, each round's failure runs measured against its own
+failure-free run, and the table gives the median of the rounds (the extra wall of every round in
+``results.json``); samples lost and AUC are the last round's (the same in every round under ``log``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,40 @@ def run(out: Path, args, trainers: int, extra: list[str]) -> dict:
     return {"summary": s, "outside_s": wall, "curve": sorted(curve)}
 
 
+def measured(base: dict, r: dict) -> dict:
+    """One failure run against its round's failure-free run."""
+    s, t_ref = r["summary"], base["summary"]["wall_seconds"]
+    (rec,) = [f for f in s["failures"] if f.get("kind") == "trainer"]
+    return {
+        "waited_s": rec["waited_s"],
+        "extra_wall_s": round(s["wall_seconds"] - t_ref, 2),
+        "extra_outside_s": round(r["outside_s"] - base["outside_s"], 2),
+        "samples_lost": rec["samples_lost"],
+        "bit_identical": s["embedding_digest"] == base["summary"]["embedding_digest"],
+        "auc_at_equal_wall": round(auc_at(r["curve"], t_ref), 4),
+        "auc_no_failure": round(base["summary"]["final_auc"], 4),
+        "final_auc": round(s["final_auc"], 4),
+        "pls": round(s["pls"], 4),
+        "rejoin_step": rec.get("rejoin_step"),
+        "heal_s": rec.get("heal_s"),
+    }
+
+
+def median_of(runs: list[dict]) -> dict:
+    """The rounds' median of each figure (every round's extra wall kept); bit-identical in every round."""
+    out = {k: float(np.median([r[k] for r in runs])) for k in ("waited_s", "extra_wall_s", "extra_outside_s")}
+    out["extra_wall_rounds"] = [r["extra_wall_s"] for r in runs]
+    out["bit_identical"] = all(r["bit_identical"] for r in runs)
+    for k in ("samples_lost", "auc_at_equal_wall", "auc_no_failure", "final_auc", "pls", "rejoin_step", "heal_s"):
+        out[k] = runs[-1][k]
+    return out
+
+
+def rounds(r: dict) -> str:
+    each = r["extra_wall_rounds"]
+    return f" (rounds: {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
+
+
 def auc_at(curve: list[tuple[float, float]], t: float) -> float:
     xs, ys = zip(*curve)
     return float(np.interp(t, xs, ys))
@@ -74,41 +112,34 @@ def main() -> None:
         default="chunks",
         help="chunks (exact: the dead trainer's chunk trained by the others) or allreduce (skipped until it rejoins)",
     )
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of every run; the table gives the medians")
     ap.add_argument("--out", default="runs/bench_trainer_death")
     args = ap.parse_args()
     root = Path(args.out)
     rows, curves = [], {}
     for trainers in [int(x) for x in args.trainers.split(",")]:
-        base = run(root / f"w{trainers}_nofail", args, trainers, [])
-        curves[f"{trainers} trainers, no failure"] = base["curve"]
-        t_ref = base["summary"]["wall_seconds"]
-        for delay in [float(x) for x in args.restart_delays.split(",")]:
-            for mode in args.modes.split(","):
-                name = f"w{trainers}_{mode}_d{delay:g}"
-                kill = ["--trainer-recovery", mode, "--inject", f"trainer:1@step={args.kill_step}"]
-                r = run(root / name, args, trainers, [*kill, "--restart-delay", str(delay)])
-                s = r["summary"]
-                (rec,) = [f for f in s["failures"] if f.get("kind") == "trainer"]
-                curves[f"{trainers} trainers, {mode}, delay {delay:g} s"] = r["curve"]
-                rows.append(
-                    {
-                        "trainers": trainers,
-                        "mode": mode,
-                        "restart_delay_s": delay,
-                        "waited_s": rec["waited_s"],
-                        "extra_wall_s": round(s["wall_seconds"] - t_ref, 2),
-                        "extra_outside_s": round(r["outside_s"] - base["outside_s"], 2),
-                        "samples_lost": rec["samples_lost"],
-                        "bit_identical": s["embedding_digest"] == base["summary"]["embedding_digest"],
-                        "auc_at_equal_wall": round(auc_at(r["curve"], t_ref), 4),
-                        "auc_no_failure": round(base["summary"]["final_auc"], 4),
-                        "final_auc": round(s["final_auc"], 4),
-                        "pls": round(s["pls"], 4),
-                        "rejoin_step": rec.get("rejoin_step"),
-                        "heal_s": rec.get("heal_s"),
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
+        per: dict[tuple[float, str], list[dict]] = {}
+        for rnd in range(args.rounds):  # each round's failure-free run beside its failure runs: the machine drifts
+            tag = f"_r{rnd}" if args.rounds > 1 else ""
+            base = run(root / f"w{trainers}_nofail{tag}", args, trainers, [])
+            curves[f"{trainers} trainers, no failure"] = base["curve"]
+            for delay in [float(x) for x in args.restart_delays.split(",")]:
+                for mode in args.modes.split(","):
+                    kill = ["--trainer-recovery", mode, "--inject", f"trainer:1@step={args.kill_step}"]
+                    r = run(
+                        root / f"w{trainers}_{mode}_d{delay:g}{tag}",
+                        args,
+                        trainers,
+                        [*kill, "--restart-delay", str(delay)],
+                    )
+                    curves[f"{trainers} trainers, {mode}, delay {delay:g} s"] = r["curve"]
+                    per.setdefault((delay, mode), []).append(measured(base, r))
+                    print(
+                        json.dumps({"trainers": trainers, "round": rnd, "mode": mode, **per[delay, mode][-1]}),
+                        flush=True,
+                    )
+        for (delay, mode), runs in per.items():
+            rows.append({"trainers": trainers, "mode": mode, "restart_delay_s": delay, **median_of(runs)})
     (root / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print()
     print(
@@ -119,7 +150,7 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['trainers']} | {r['mode']} | {r['restart_delay_s']:g} | {r['waited_s']:.2f} | "
-            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f} | {r['samples_lost']} ({r['pls']:.4f}) | "
+            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f}{rounds(r)} | {r['samples_lost']} ({r['pls']:.4f}) | "
             f"{r['bit_identical']} | {r['auc_at_equal_wall']:.4f} ({r['auc_no_failure']:.4f}) | "
             f"{r['final_auc']:.4f} ({r['auc_no_failure']:.4f}) |"
         )
