@@ -232,3 +232,4 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         self.present.close()
         self.writes.close()
         self.links.close()
+        self.cache.release()

@@ -394,6 +394,12 @@ class RowCache:
         )
         return self.held
 
+    def release(self) -> None:
+        """The store closed: the held rows' arrays go to the next cache of their size in this process
+        (``RowSlots.release``)."""
+        if self.held is not None:
+            self.held.release()
+
     def forget(self, shard: int | None = None) -> None:
         """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
         (None: every shard's)."""

@@ -29,10 +29,55 @@ NEVER = np.iinfo(np.int32).max  # a row's last write at an unknown step: never a
 SLOT_OVERHEAD = 8 + 8 + 4 + 4 + 5 + 16
 
 
+# every per-slot array: its dtype and the value of a free slot
+_FIELDS = {
+    "key": (np.int64, -1),
+    "rows": (np.float32, 0.0),
+    "state": (np.int8, FREE),
+    "first": (np.int32, -1),
+    "last": (np.int32, NEVER),
+    "owner": (np.int16, 0),
+    "_reads": (np.uint8, 0),
+    "_touched": (np.int32, 0),
+    "_pinned": (bool, False),
+}
+_spare: list[dict[str, np.ndarray]] = []  # the arrays of the last cache released in this process
+_keep: list[bool] = [False]  # whether a released cache's arrays are kept (``keep_released``)
+
+
+def keep_released(on: bool = True) -> None:
+    """A process that builds its caches again and again (a trainer under ``--trainer-recovery
+    replace`` regroups in its process) keeps the arrays of the one it released for the next (off:
+    none is kept, and the one kept goes)."""
+    _keep[0] = on
+    if not on:
+        _spare.clear()
+
+
+def _take_spare(capacity: int, width: int) -> dict[str, np.ndarray] | None:
+    """The released arrays of a cache of ``capacity`` slots of ``width`` floats, once; else None."""
+    if _spare and _spare[0]["rows"].shape == (capacity, width):
+        return _spare.pop()
+    return None
+
+
 class RowSlots:
     """The slots of a row cache: per slot a packed key, its row, its state and what eviction and a
     restore go by; found by key (``find``), admitted (``admit``), evicted, grown for open windows.
     Every field is guarded by ``lock``; ``generation`` and ``version`` are what a read compares."""
+
+    key: np.ndarray  # per slot (``_FIELDS``): its packed key (-1: free)
+    rows: np.ndarray  # [capacity, width]: its row
+    state: np.ndarray
+    # the step of this writer's first write since the row was known never written (-1: it may have
+    # existed before) and of its last write (NEVER: unknown): what a restore to an earlier step left
+    # of the row is known without reading it (``restored``)
+    first: np.ndarray
+    last: np.ndarray
+    owner: np.ndarray  # its shard
+    _reads: np.ndarray
+    _touched: np.ndarray
+    _pinned: np.ndarray
 
     def __init__(self, capacity: int, width: int, direct: bool, key_offset: np.ndarray, init, owners) -> None:
         """``direct``: every row fits, a row's slot is its position among the held tables' rows
@@ -43,21 +88,21 @@ class RowSlots:
         self._init = init
         self._owners_of = owners
         self._key_offset = key_offset
-        self.key = np.full(c, -1, np.int64)
         # every page is touched now, as an engine that allocates its tables does: left to the first
-        # write of each row, a step that writes thousands of new rows faults in a page for each
-        self.rows = np.empty((c, width), np.float32)
-        self.rows.fill(0.0)
-        self.state = np.full(c, 0, np.int8)  # touched now (np.zeros would fault pages in mid-run)
-        # per slot, the step of this writer's first write since the row was known never written (-1:
-        # it may have existed before) and of its last write (NEVER: unknown): what a restore to an
-        # earlier step left of the row is known without reading it (``restored``)
-        self.first = np.full(c, -1, np.int32)
-        self.last = np.full(c, NEVER, np.int32)
-        self.owner = np.full(c, 0, np.int16)  # touched now (np.zeros would fault pages in mid-run)
-        self._reads = np.full(c, 0, np.uint8)  # touched now (np.zeros would fault pages in mid-run)
-        self._touched = np.full(c, 0, np.int32)  # touched now (np.zeros would fault pages in mid-run)
-        self._pinned = np.full(c, 0, bool)  # touched now (np.zeros would fault pages in mid-run)
+        # write of each row, a step that writes thousands of new rows faults in a page for each (np.zeros
+        # would fault them in mid-run). A cache released in this process (``release``: a regroup
+        # builds its trainer again) hands its arrays on, touched already: only the bookkeeping is reset
+        # (every row is written when its slot is taken: what a freed slot's row held is never read)
+        spare = _take_spare(c, width)
+        for name, (dtype, fill) in _FIELDS.items():
+            if spare is not None:
+                a = spare[name]
+                if name != "rows":
+                    a.fill(fill)
+            else:
+                a = np.empty((c, width) if name == "rows" else c, dtype)
+                a.fill(fill)
+            setattr(self, name, a)
         # every row fits: a row's slot is its position among the held tables' rows (no index, no
         # eviction); else slots are handed out from a free stack and found through the hash index
         self._direct = direct
@@ -72,6 +117,22 @@ class RowSlots:
         self.generation = 0  # bumped by clear(): what a read learned before it is void
         self.version = 0  # bumped by every change: a read of rows held at this version is still current
         self.lock = threading.RLock()
+
+    def release(self) -> None:
+        """The cache's store closed: its arrays go to the next cache of its size built in this process
+        (``recsys.quorum.regroup`` builds its trainer again in the same process), and this one holds
+        nothing from now on (a late call finds every row not cached)."""
+        with self.lock:
+            if _keep[0] and self.capacity and not self.grown:
+                _spare[:] = [{name: getattr(self, name) for name in _FIELDS}]
+            for name, (dtype, _) in _FIELDS.items():
+                setattr(self, name, np.empty((0, self.width) if name == "rows" else 0, dtype))
+            self.capacity = self._nfree = 0
+            self._free = np.empty(0, np.int32)
+            self._index = None if self._direct else KeyIndex(0, self.key)
+            self._memo = None
+            self.generation += 1
+            self.version += 1
 
     @property
     def used(self) -> int:

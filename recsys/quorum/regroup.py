@@ -57,8 +57,11 @@ def quorum_group(cfg, q: Quorum, index: int, comm) -> TrainerGroup:
 def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str) -> dict | None:
     """Train as trainer ``index`` of the quorum until the run ends; -> rank 0's summary at the end
     (None elsewhere, and for a replacement that came after the others finished)."""
+    from embeddings.store.row_slots import keep_released
     from recovery.durable.dense import from_bytes
     from recsys.trainer import Trainer
+
+    keep_released()  # each trainer built here takes the arrays of the last one's held rows, touched already
 
     marks = RunMarks(Path(cfg.train.out), cfg.train.trainers)
     replacement = marks.started()  # the run began before this trainer: it replaces one
