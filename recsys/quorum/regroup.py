@@ -72,6 +72,8 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
         detected = 0.0
         if not replacement:
             marks.ready(index)
+        else:
+            prewarm(cfg, urls, namespace)
         q = _quorum(replica, 0)
         marks.mark_started()
         while True:
@@ -119,6 +121,25 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 q = _quorum(replica, 0)
     finally:
         replica.close()
+
+
+def prewarm(cfg, urls: list[str], namespace: str) -> None:
+    """A replacement, before it asks for a quorum: the arrays of its held rows allocated and touched
+    (``row_slots.keep_released``), so that the trainer it builds at the quorum, which the others wait
+    for, takes them ready. A store that cannot be opened now is left to the build, which says why."""
+    from embeddings.errors import EmbeddingStoreError
+    from recsys.backends import open_store
+
+    if not cfg.embeddings.held_rows_mb:
+        return
+    try:
+        store = open_store(cfg, urls, namespace)
+    except EmbeddingStoreError:
+        return
+    try:
+        store.hold_rows(set(), int(cfg.embeddings.held_rows_mb * (1 << 20)))
+    finally:
+        store.close()
 
 
 def _quorum(replica: Replica, step: int) -> Quorum:
