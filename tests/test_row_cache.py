@@ -1,6 +1,7 @@
 """The bounded row cache (``embeddings.store.row_cache``) and its key index, against plain Python models."""
 
 import numpy as np
+import pytest
 
 from embeddings.keyindex import KeyIndex
 from embeddings.rowkeys import pack
@@ -141,3 +142,32 @@ def test_a_fresh_cache_that_fits_every_row_holds_each_at_its_initial_value_befor
     assert not bounded.holds_everything() and bounded.used == 2
     np.testing.assert_array_equal(bounded.read_keys(keys), want)  # the same rows, by the lazy init
     assert bounded.hits == 2
+
+
+def test_a_cache_built_again_in_its_process_takes_the_released_arrays_and_holds_nothing_of_them():
+    from embeddings.store import row_slots
+
+    row_slots.keep_released()
+    try:
+        first = cache(rows_per_table=1000, budget_rows=4000)  # every row fits: direct slots
+        keys = pack(1, np.arange(0, 1000, 7))
+        first.put_keys(keys, np.full((len(keys), 4), 3.0, np.float32), step=1)
+        assert (first.state_of(keys) == HELD).all()
+        rows, key = first.rows, first.key
+        first.release()
+        assert first.capacity == 0
+        with pytest.raises(IndexError):  # a late call fails: it never reads the arrays of another cache
+            first.lookup_keys(keys)
+        again = cache(rows_per_table=1000, budget_rows=4000)
+        assert again.rows is rows and again.key is key  # the arrays, touched already
+        assert (again.key == -1).all() and (again.state == 0).all()
+        pos, _, absent = again.lookup_keys(keys)
+        assert pos.size == 0 and absent.size == 0  # nothing of the released cache is held, or known
+        again.put_keys(keys[:3], np.ones((3, 4), np.float32), step=2)
+        np.testing.assert_array_equal(again.read_keys(keys[:3]), np.ones((3, 4), np.float32))
+        other = cache(rows_per_table=500, budget_rows=4000)  # another size: arrays of its own
+        assert other.rows is not rows
+    finally:
+        row_slots.keep_released(False)
+    again.release()
+    assert cache(rows_per_table=1000, budget_rows=4000).rows is not rows  # off: nothing kept

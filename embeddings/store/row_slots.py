@@ -121,7 +121,7 @@ class RowSlots:
     def release(self) -> None:
         """The cache's store closed: its arrays go to the next cache of its size built in this process
         (``recsys.quorum.regroup`` builds its trainer again in the same process), and this one holds
-        nothing from now on (a late call finds every row not cached)."""
+        none from now on: a late call fails (an index error) rather than read another cache's rows."""
         with self.lock:
             if _keep[0] and self.capacity and not self.grown:
                 _spare[:] = [{name: getattr(self, name) for name in _FIELDS}]
