@@ -237,6 +237,7 @@ class RecoveryManager:
         With ``--train-through`` a failure in a step's stage or update is restored in the background
         instead (``recovery.restore.through``); an outage in progress ends first (the run waits for it)."""
         n = self.store.num_shards
+        self.store.stop_learning()  # rank 0 may restore a shard this trainer's listing reads (embeddings.store.present)
         if self.through is not None:
             self.through.end(step, f"shards {failed} failed meanwhile")
         # every trainer's background writes (logs, priority saves, flushes) are on disk: rank 0 reads them

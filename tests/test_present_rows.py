@@ -85,8 +85,22 @@ def test_nothing_is_learned_of_a_shard_started_again_empty_nor_after_a_shard_was
     with resumed(shards3.urls, namespace) as st:
         held = st.row_cache
         assert held is not None
-        generation = held.begin_learning()
+        generation = st.present.prepare()
         st.cache.forget(0)  # a restore or rollback of shard 0 while the listing ran
         assert st.present.run(generation) == []
+        generation = st.present.prepare()
+        st.stop_learning()  # any trainer's recovery of a failed shard began
+        assert st.present.run(generation) == []
         assert (held.state_of(never) == UNKNOWN).all()
+    with resumed(shards3.urls, namespace) as st:
+        held = st.row_cache
+        assert held is not None
+        # shard 2 gone back before the step the trainer resumed at (another trainer restored it)
+        generation = st.present.prepare()
+        c2 = redis.Redis.from_url(shards3.urls[2])
+        c2.set(f"{namespace}:meta:applied", b"1")
+        assert st.present.run(generation) == [0]
+        on_0 = st.shard_map.shard_of_keys(never) == 0
+        assert (held.state_of(never[on_0]) == ABSENT).all()
+        assert (held.state_of(never[~on_0]) == UNKNOWN).all()
         st.clear()

@@ -53,6 +53,10 @@ class CacheFront:
         its shard is known never written without a read (``embeddings.store.present``)."""
         self.present.start()
 
+    def stop_learning(self) -> None:
+        """A shard failed: the listing of a resumed run learns nothing from now on (``PresentRows.stop``)."""
+        self.present.stop()
+
     def present_stats(self) -> dict:
         """What the last listing of a resumed run learned, once it ended (``PresentRows.stats``)."""
         self.present.wait()

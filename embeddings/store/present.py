@@ -9,9 +9,11 @@ rows on each shard this trainer writes once recovery brought it back to the resu
 thread of its own while the steps go on; a row not listed, and not written by this trainer since,
 is known never written from then on (``HeldRows.assume_present``), and the listed rows are held
 with their values when every row fits. Nothing is learned of a shard away (``--train-through``), of
-one that does not answer, of one holding no applied marker before and after its listing (a server
-started again empty, which recovery has yet to meet), or of any shard when one was forgotten
-(restored, rolled back) while the listing ran. One ``PresentRows`` per ``RedisStore``.
+one that does not answer, of one whose server changed (its run id) or whose applied marker went
+below the one it had at the start (a restore, by any trainer, to an earlier step; a server started
+again empty holds none), and nothing at all once a shard was forgotten here (restored, rolled
+back) or any trainer's recovery of a failed shard began (``stop``) while the listing ran. One
+``PresentRows`` per ``RedisStore``.
 """
 
 from __future__ import annotations
@@ -48,18 +50,47 @@ class PresentRows:
         self.away, self.warn = away, warn
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._floor: dict[int, tuple[int | None, str]] = {}  # per shard, (applied marker, run id) at ``start``
         self.learned: list[int] = []  # the shards learned by the last listing
         self.rows = 0  # rows listed by it
         self.seconds = 0.0  # its wall time
 
     def start(self) -> None:
-        """List the held shards' rows on a thread of its own (``run``); writes from now on count."""
-        held = self.cache.held
-        if held is None or not held.capacity or self._thread is not None:
+        """List the held shards' rows on a thread of its own (``prepare``, then ``run``)."""
+        if self._thread is not None:
             return
+        generation = self.prepare()
+        if generation is not None:
+            self._thread = threading.Thread(target=self._run, args=(generation,), name="present-rows", daemon=True)
+            self._thread.start()
+
+    def prepare(self) -> int | None:
+        """Once recovery brought the shards back to the resumed step: writes from now on count
+        (``HeldRows.begin_learning``), and each shard's applied marker and server run id now are
+        what its listing must still find. -> the generation the listing runs at (None: no held rows)."""
+        held = self.cache.held
+        if held is None or not held.capacity:
+            return None
         generation = held.begin_learning()
-        self._thread = threading.Thread(target=self._run, args=(generation,), name="present-rows", daemon=True)
-        self._thread.start()
+        self._floor = {s: m for s in sorted(held.shards) if (m := self._mark(s)) is not None and m[0] is not None}
+        return generation
+
+    def stop(self) -> None:
+        """A shard failed (any trainer's recovery begins): what the listing learns from now on is
+        void, as another trainer may restore a shard this one lists (``HeldRows.invalidate``)."""
+        self._stop.set()
+        held = self.cache.held
+        if held is not None and self._floor:
+            held.invalidate()
+
+    def _mark(self, shard: int) -> tuple[int | None, str] | None:
+        """(applied marker, the server's run id) of ``shard``, None when it does not answer."""
+        try:
+            step = self.markers.applied_step(shard)
+            run_id = self.links.call(shard, lambda c: str(c.info("server").get("run_id", "")))
+        except ShardUnavailableError:
+            return None
+        return step, run_id
 
     def wait(self) -> list[int]:
         """Until the listing ends. -> the shards learned."""
@@ -103,29 +134,39 @@ class PresentRows:
         return self.learned
 
     def _listed(self, shard: int, generation: int, values: bool) -> np.ndarray | None:
-        """Packed keys of the rows on ``shard`` (held with their values with ``values``), None when
-        it cannot tell now."""
+        """Packed keys of the rows on ``shard`` (held with their values with ``values``, once the
+        listing is known whole), None when it cannot tell now."""
         held = self.cache.held
         assert held is not None
 
-        def listing() -> list[np.ndarray] | None:
-            keys = []
-            for t, ids, rows in self.snapshots.present_rows(shard, self.layout, values):
+        def listing() -> list[tuple[int, np.ndarray, np.ndarray | None]] | None:
+            batches = []
+            for batch in self.snapshots.present_rows(shard, self.layout, values):
                 if self._stop.is_set():
                     return None
-                if rows is not None:
-                    held.found(t, ids, rows, generation)
-                keys.append(rowkeys.pack(t, ids))
-            return keys
+                batches.append(batch)
+            return batches
 
+        floor = self._floor.get(shard)
+        if floor is None or shard in self.away():
+            return None
         try:
-            if self.markers.applied_step(shard) is None:
+            before = self._mark(shard)
+            # a server started again, or a shard gone back before the resumed step (a restore by
+            # another trainer), since the listing began: not what this trainer resumed on
+            if before is None or before[0] is None or before[0] < floor[0] or before[1] != floor[1]:
                 return None
-            keys = self.links.mapped(shard, listing)
-            if keys is None or self.markers.applied_step(shard) is None:
+            batches = self.links.mapped(shard, listing)
+            after = self._mark(shard)
+            if batches is None or after is None or after[0] is None or after[0] < before[0] or after[1] != before[1]:
                 return None
         except ShardUnavailableError:  # recovery meets it at its first read
             return None
         except ValueError as e:  # a bucket field of no row of this layout
             raise ShardDataError(f"shard {shard} at {self.links.endpoints[shard]}: {e}") from None
+        keys = []
+        for t, ids, rows in batches:
+            if rows is not None:  # void once a shard was forgotten or a recovery began (``generation``)
+                held.found(t, ids, rows, generation)
+            keys.append(rowkeys.pack(t, ids))
         return np.concatenate(keys) if keys else np.empty(0, np.int64)

@@ -319,6 +319,13 @@ class HeldRows(RowSlots):
                 self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
             return self.generation
 
+    def invalidate(self) -> None:
+        """What a read or a listing begun before learns nothing (a shard may change behind this
+        writer's back: another trainer's recovery began)."""
+        with self.lock:
+            self.generation += 1
+            self.version += 1
+
     def assume_present(self, present: dict[int, np.ndarray], generation: int) -> bool:
         """A resumed run: ``present`` is every row (packed keys) on each of those shards, listed
         after recovery brought them back to the step it resumed from (``begin_learning`` at
