@@ -53,10 +53,14 @@ class ShardedStandIn:
     def __init__(self, num_shards: int, down: set) -> None:
         self.num_shards, self.row_cache, self.down = num_shards, None, down
         self.calls: list[tuple] = []
+        self.stopped_learning = 0  # recoveries that voided a resumed trainer's listing of its shards
 
     def touch(self, shard: int) -> None:
         if shard in self.down:
             raise ShardUnavailableError(shard, f"127.0.0.1:{7000 + shard}", "connection refused")
+
+    def stop_learning(self) -> None:
+        self.stopped_learning += 1
 
     def reconnect(self, s: int) -> None:
         self.calls.append(("reconnect", s))
@@ -145,6 +149,8 @@ def test_a_failure_one_rank_saw_is_recovered_by_all_and_the_phase_redone_there()
     assert all(attempts[r] == [None, (1,)] for r in range(3))
     for m in mgrs:  # every rank reconnected to the recovered shard and read its held rows back
         assert ("reconnect", 1) in m.store.calls and any(c[0] == "reload" and c[1] == 1 for c in m.store.calls)
+        # and, first, voided what a listing of its shards would learn (rank 0 restores shards others list)
+        assert m.store.stopped_learning == 1
 
 
 def test_a_restore_as_of_the_phase_is_not_redone():
