@@ -240,10 +240,10 @@ class RecoveryManager:
         self.store.stop_learning()  # rank 0 may restore a shard this trainer's listing reads (embeddings.store.present)
         if self.through is not None:
             self.through.end(step, f"shards {failed} failed meanwhile")
-        # every trainer's background writes (logs, priority saves, flushes) are on disk: rank 0 reads them
+        # every trainer's background writes (logs, priority saves, flushes) are on disk: rank 0 reads them;
+        # and every trainer's listing of its shards is void before rank 0 restores any (``stop_learning``)
         self.wait_background()
-        if self.logs or self.log_dir is not None or self.strategy.priority_saves or self.strategy.flushes:
-            self.collective.barrier()
+        self.collective.barrier()
         if self.through is not None and phase in THROUGH_PHASES:
             return self.through.begin(failed, step, phase)
         mine, error = None, None

@@ -92,6 +92,9 @@ def test_nothing_is_learned_of_a_shard_started_again_empty_nor_after_a_shard_was
         st.stop_learning()  # any trainer's recovery of a failed shard began
         assert st.present.run(generation) == []
         assert (held.state_of(never) == UNKNOWN).all()
+        # a recovery before the listing begins (during the resume) stops nothing begun after it
+        generation = st.present.prepare()
+        assert st.present.run(generation) == [0, 2]
     with resumed(shards3.urls, namespace) as st:
         held = st.row_cache
         assert held is not None

@@ -50,6 +50,7 @@ class PresentRows:
         self.away, self.warn = away, warn
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._closed = False
         self._floor: dict[int, tuple[int | None, str]] = {}  # per shard, (applied marker, run id) at ``start``
         self.learned: list[int] = []  # the shards learned by the last listing
         self.rows = 0  # rows listed by it
@@ -69,8 +70,9 @@ class PresentRows:
         (``HeldRows.begin_learning``), and each shard's applied marker and server run id now are
         what its listing must still find. -> the generation the listing runs at (None: no held rows)."""
         held = self.cache.held
-        if held is None or not held.capacity:
+        if held is None or not held.capacity or self._closed:
             return None
+        self._stop.clear()  # a recovery during the resume stopped nothing begun after it
         generation = held.begin_learning()
         self._floor = {s: m for s in sorted(held.shards) if (m := self._mark(s)) is not None and m[0] is not None}
         return generation
@@ -103,6 +105,7 @@ class PresentRows:
         return {"shards": list(self.learned), "rows": self.rows, "seconds": round(self.seconds, 3)}
 
     def close(self) -> None:
+        self._closed = True
         self._stop.set()
         self.wait()
 
