@@ -24,6 +24,7 @@ import os
 import runpy
 import select
 import shutil
+import signal
 import socket
 import struct
 import sys
@@ -109,6 +110,9 @@ def serve(path: str, parent: int) -> dict | None:
 
 
 def _become(request: dict, fds: list[int]) -> None:
+    # Ctrl-C as a fresh interpreter started from a terminal has it, whatever the server inherited
+    # (a server started while its parent ignored SIGINT would pass that on to every child)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
