@@ -210,6 +210,13 @@ class BatchReader:
             self._ahead = (self.position, self._pool.submit(self._read_prepared, self.position))
         return batch
 
+    def read_ahead(self) -> None:
+        """Start reading the batch at the current position now, on the read-ahead thread (a
+        ``load_state_dict`` set it: a resumed trainer's first batch is read while it resumes);
+        ``next`` takes it."""
+        if self._pool is not None and self._ahead is None:
+            self._ahead = (self.position, self._pool.submit(self._read_prepared, self.position))
+
     def _read_prepared(self, position: int) -> Batch | None:
         batch = self._read(position)
         if batch is not None and self.prepare is not None:
@@ -270,6 +277,10 @@ class ChunkReader:
 
     def state_dict(self) -> dict[str, int]:
         return self.readers[0].state_dict()
+
+    def read_ahead(self) -> None:
+        for r in self.readers:
+            r.read_ahead()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for r in self.readers:

@@ -255,6 +255,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         float,
         "with replace: seconds a collective waits for a live but slow trainer before the step is discarded",
     ),
+    "--quorum-every": (
+        "recovery",
+        "quorum_every",
+        int,
+        "with replace: the trainers meet at a torchft quorum every K steps (default 4; 1: every step); a "
+        "replacement waits up to K - 1 steps more to join, a death is met at once whatever K",
+    ),
 }
 
 

@@ -415,6 +415,9 @@ class RecoveryConfig:
     separate commands sharing the run folder; run again, it replaces itself). -1: all of them."""
     trainer_timeout: float = 30.0
     """With replace: seconds a collective waits for a live trainer (a killed one: about 0.5 s)."""
+    quorum_every: int = 4
+    """With replace: a torchft quorum at every K-th step's start (a replacement waits up to K - 1
+    steps more; a death is met at the next collective); ``should_commit`` decides every step."""
 
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial,
@@ -515,6 +518,7 @@ class RecoveryConfig:
         )
         _check(self.restart_delay >= 0, "restart_delay", self.restart_delay, "must be >= 0")
         _check(self.trainer_timeout > 0, "trainer_timeout", self.trainer_timeout, "must be > 0")
+        _check(self.quorum_every >= 1, "quorum_every", self.quorum_every, "must be >= 1")
         _check(self.trainer_index >= -1, "trainer_index", self.trainer_index, "must be >= 0 (-1: every trainer)")
 
     def _check_interval(self) -> None:

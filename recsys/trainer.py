@@ -579,6 +579,7 @@ class Trainer:
         t_restart = epoch.detected_at if epoch is not None and epoch.left else time.time()
         if resumed is not None:
             self.load_state_dict(resumed)
+        self.reader.read_ahead()  # the first step's batch is read while the run resumes
         if self.injector is not None:
             self.injector.step = self.step
             self.injector.start(fresh=resumed is None, barrier=self.coll.barrier)

@@ -193,6 +193,15 @@ def test_read_ahead_prepares_each_batch_on_its_thread_and_a_failed_prepare_is_le
     # the first batch is read by the caller; each later one was prepared on the read-ahead thread
     assert id(got[0]) not in seen
     assert [seen.get(id(b), "").startswith("read-ahead") for b in got[1:]] == [True, True, True]
+    # a resumed reader reads its first batch ahead too, once told (while the run resumes)
+    resumed = BatchReader(BinarySource(BinaryCriteo.open(tmp_path, "s"), [1000] * NUM_SPARSE), 32, read_ahead=True)
+    resumed.prepare = prepare
+    resumed.load_state_dict({"position": 64, "global_batch_size": 32})
+    resumed.read_ahead()
+    first = next(resumed)
+    resumed.close()
+    assert_same_batches([first], got[2:3])
+    assert seen[id(first)].startswith("read-ahead")
 
 
 def test_binary_reader_ends_after_last_full_batch(tmp_path):

@@ -36,7 +36,19 @@ def long_reference(tmp_path_factory) -> dict:
 def test_a_trainer_death_costs_the_others_a_regroup_and_the_run_ends_bit_identical(tmp_path, long_reference):
     out = tmp_path / "run"
     # the replacement comes 2 s later: the survivor goes on alone, then the newcomer heals from it
-    s = train_cli(out, *FLAGS, *LONG, "--trainers", "2", "--inject", "trainer:1@step=12", "--restart-delay", "2")
+    s = train_cli(
+        out,
+        *FLAGS,
+        *LONG,
+        "--trainers",
+        "2",
+        "--inject",
+        "trainer:1@step=12",
+        "--restart-delay",
+        "2",
+        "--quorum-every",
+        "3",
+    )
     assert s["embedding_digest"] == long_reference["embedding_digest"]
     assert s["final_auc"] == long_reference["final_auc"]
     (rec,) = s["failures"]
@@ -46,6 +58,7 @@ def test_a_trainer_death_costs_the_others_a_regroup_and_the_run_ends_bit_identic
     # regroup, not a restart of every process
     assert 0 < rec["waited_s"] < 6, rec
     assert rec["resumed_step"] <= 12 < rec["rejoin_step"] <= 200
+    assert rec["rejoin_step"] % 3 == 0  # a quorum every 3rd step (--quorum-every 3): it joined at one
     assert rec["healed_from"] == "peer" and rec["heal_s"] >= 0
     assert rec["dense_equal_at_rejoin"] is True  # the newcomer's dense state is its peer's, bit for bit
     # at the quorum it resumed at, rank 0 listed the rows on its shards (a row not there is not read)
@@ -134,6 +147,8 @@ def test_replace_settings_are_checked_in_one_line():
         RecoveryConfig(trainer_recovery="swap")
     with pytest.raises(ConfigError, match="restart_delay=-1"):
         RecoveryConfig(restart_delay=-1)
+    with pytest.raises(ConfigError, match="quorum_every=0: must be >= 1"):
+        RecoveryConfig(quorum_every=0)
     assert RunConfig(train=TrainConfig(trainers=2)).replaces_trainers
     assert not RunConfig(train=TrainConfig(trainers=1)).replaces_trainers
     assert RunConfig(train=TrainConfig(trainers=2, dense_reduce="allreduce")).replaces_trainers
