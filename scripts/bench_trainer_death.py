@@ -10,13 +10,15 @@ SIGKILL), under ``--recovery log``.
 Columns: the survivors' seconds waited (the failure record's ``waited_s``: restart, every trainer
 from the death until the group trains again; replace, the others from the death until they step
 at the new quorum), the run's extra wall over the failure-free run (``summary.json``'s
-``wall_seconds``, restarts included, and measured from outside), samples lost, whether the run
+``wall_seconds``, restarts included, and measured from outside), the extra seconds of the death's
+window alone (steps ``kill - 10`` to ``kill + --window`` against the same steps of the failure-free
+run: the whole run's wall drifts by seconds on a shared machine), samples lost, whether the run
 ended bit-identical to the failure-free one (``embedding_digest``), and AUC at equal wall time (each
 run's AUC, interpolated, at the failure-free run's wall time). One plot: AUC against wall-clock
 seconds for every run.
 
     python scripts/bench_trainer_death.py [--trainers 2,3] [--restart-delays 0,30] [--steps 400]
-        [--batch-size 510] [--kill-step 200] [--modes restart,replace] [--dense-reduce chunks|allreduce]
+        [--batch-size 510] [--kill-step 200] [--window 60] [--modes restart,replace] [--dense-reduce chunks|allreduce]
         [--rounds 1] [--out runs/bench_trainer_death]
 
 With ``--rounds N`` every run is made N times, each round's failure runs measured against its own
@@ -53,10 +55,19 @@ def run(out: Path, args, trainers: int, extra: list[str]) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [(r["elapsed_s"], r["auc"]) for r in records if "auc" in r]
     curve.append((s["wall_seconds"], s["final_auc"]))
-    return {"summary": s, "outside_s": wall, "curve": sorted(curve)}
+    at = {r["step"]: r["elapsed_s"] for r in records if "step" in r and "elapsed_s" in r}
+    return {"summary": s, "outside_s": wall, "curve": sorted(curve), "elapsed_at": at}
 
 
-def measured(base: dict, r: dict) -> dict:
+def window_s(r: dict, args) -> float:
+    """The run's seconds from step ``kill - 10`` to step ``kill + --window`` (its ``metrics.jsonl``,
+    a line every 10 steps; restarts included)."""
+    at = r["elapsed_at"]
+    lo, hi = args.kill_step - 10, args.kill_step + args.window
+    return at[hi] - at[lo]
+
+
+def measured(base: dict, r: dict, args) -> dict:
     """One failure run against its round's failure-free run."""
     s, t_ref = r["summary"], base["summary"]["wall_seconds"]
     (rec,) = [f for f in s["failures"] if f.get("kind") == "trainer"]
@@ -64,6 +75,7 @@ def measured(base: dict, r: dict) -> dict:
         "waited_s": rec["waited_s"],
         "extra_wall_s": round(s["wall_seconds"] - t_ref, 2),
         "extra_outside_s": round(r["outside_s"] - base["outside_s"], 2),
+        "extra_window_s": round(window_s(r, args) - window_s(base, args), 2),
         "samples_lost": rec["samples_lost"],
         "bit_identical": s["embedding_digest"] == base["summary"]["embedding_digest"],
         "auc_at_equal_wall": round(auc_at(r["curve"], t_ref), 4),
@@ -77,16 +89,20 @@ def measured(base: dict, r: dict) -> dict:
 
 def median_of(runs: list[dict]) -> dict:
     """The rounds' median of each figure (every round's extra wall kept); bit-identical in every round."""
-    out = {k: float(np.median([r[k] for r in runs])) for k in ("waited_s", "extra_wall_s", "extra_outside_s")}
+    out = {
+        k: float(np.median([r[k] for r in runs]))
+        for k in ("waited_s", "extra_wall_s", "extra_outside_s", "extra_window_s")
+    }
     out["extra_wall_rounds"] = [r["extra_wall_s"] for r in runs]
+    out["extra_window_rounds"] = [r["extra_window_s"] for r in runs]
     out["bit_identical"] = all(r["bit_identical"] for r in runs)
     for k in ("samples_lost", "auc_at_equal_wall", "auc_no_failure", "final_auc", "pls", "rejoin_step", "heal_s"):
         out[k] = runs[-1][k]
     return out
 
 
-def rounds(r: dict) -> str:
-    each = r["extra_wall_rounds"]
+def rounds(r: dict, key: str) -> str:
+    each = r[key]
     return f" (rounds: {', '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
 
 
@@ -102,7 +118,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=510)  # a multiple of 2 and 3 trainers
     ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--kill-step", type=int, default=200)
+    ap.add_argument("--kill-step", type=int, default=200, help="a multiple of 10 (metrics.jsonl's lines)")
+    ap.add_argument(
+        "--window",
+        type=int,
+        default=60,
+        help="the death's window: steps kill-10 to kill+WINDOW, timed against the same steps without the death",
+    )
     ap.add_argument("--checkpoint-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-samples", type=int, default=16384)
@@ -133,7 +155,7 @@ def main() -> None:
                         [*kill, "--restart-delay", str(delay)],
                     )
                     curves[f"{trainers} trainers, {mode}, delay {delay:g} s"] = r["curve"]
-                    per.setdefault((delay, mode), []).append(measured(base, r))
+                    per.setdefault((delay, mode), []).append(measured(base, r, args))
                     print(
                         json.dumps({"trainers": trainers, "round": rnd, "mode": mode, **per[delay, mode][-1]}),
                         flush=True,
@@ -143,14 +165,16 @@ def main() -> None:
     (root / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     print()
     print(
-        "| trainers | mode | restart delay s | survivors waited s | extra wall s (summary / outside) | samples lost "
-        "(PLS) | bit-identical | AUC at equal wall (no failure) | final AUC (no failure) |"
+        "| trainers | mode | restart delay s | survivors waited s | extra wall s (summary / outside) | extra s in "
+        f"steps {args.kill_step - 10}-{args.kill_step + args.window} | samples lost (PLS) | bit-identical | "
+        "AUC at equal wall (no failure) | final AUC (no failure) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['trainers']} | {r['mode']} | {r['restart_delay_s']:g} | {r['waited_s']:.2f} | "
-            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f}{rounds(r)} | {r['samples_lost']} ({r['pls']:.4f}) | "
+            f"{r['extra_wall_s']:.2f} / {r['extra_outside_s']:.2f}{rounds(r, 'extra_wall_rounds')} | "
+            f"{r['extra_window_s']:.2f}{rounds(r, 'extra_window_rounds')} | {r['samples_lost']} ({r['pls']:.4f}) | "
             f"{r['bit_identical']} | {r['auc_at_equal_wall']:.4f} ({r['auc_no_failure']:.4f}) | "
             f"{r['final_auc']:.4f} ({r['auc_no_failure']:.4f}) |"
         )

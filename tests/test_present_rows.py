@@ -107,3 +107,27 @@ def test_nothing_is_learned_of_a_shard_started_again_empty_nor_after_a_shard_was
         assert (held.state_of(never[on_0]) == ABSENT).all()
         assert (held.state_of(never[~on_0]) == UNKNOWN).all()
         st.clear()
+
+
+def test_a_listing_connection_sends_a_batch_in_one_write_and_an_error_reply_names_itself(shards3, namespace):
+    """``RowConnection.replies``, as the listing uses it: one write of many commands, each reply
+    parsed; an error reply raises with the server's words and drops the socket (the next call
+    opens another)."""
+    from embeddings.net.wire import RowConnection, WireError, key_commands
+
+    c = redis.Redis.from_url(shards3.urls[0])
+    c.hset(f"{namespace}:h1", mapping={b"a": b"1", b"b": b"2"})
+    c.hset(f"{namespace}:h2", mapping={b"c": b"3"})
+    c.set(f"{namespace}:s1", b"x")
+    keys = [f"{namespace}:h1".encode(), f"{namespace}:h2".encode(), f"{namespace}:hx".encode()]
+    wire = RowConnection(redis.ConnectionPool.from_url(shards3.urls[0], protocol=2), 5.0)  # as ShardLinks opens it
+    try:
+        got = wire.replies(key_commands(b"HGETALL", keys), 3)
+        assert [dict(zip(r[0::2], r[1::2])) for r in got] == [{b"a": b"1", b"b": b"2"}, {b"c": b"3"}, {}]
+        mixed = [f"{namespace}:s1".encode(), keys[0]]  # unequal lengths: a command each
+        with pytest.raises(WireError, match="WRONGTYPE"):
+            wire.replies(key_commands(b"HKEYS", mixed), 2)
+        # h1's reply, left unread after the error, went with the socket: h2's is h2's
+        assert wire.replies(key_commands(b"HKEYS", keys[1:2]), 1) == [[b"c"]]
+    finally:
+        wire.close()

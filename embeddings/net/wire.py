@@ -52,6 +52,14 @@ def encode_command(args: list[bytes]) -> bytes:
     return b"".join(out)
 
 
+def key_commands(verb: bytes, keys: list[bytes]) -> bytes:
+    """``verb key`` for each of ``keys``, as RESP commands in one byte string."""
+    if keys and all(len(k) == len(keys[0]) for k in keys):  # one header for all: one join
+        head = b"*2\r\n$%d\r\n%s\r\n$%d\r\n" % (len(verb), verb, len(keys[0]))
+        return head + (b"\r\n" + head).join(keys) + b"\r\n"
+    return b"".join(encode_command([verb, k]) for k in keys)
+
+
 def _records(n: int, parts: list) -> np.ndarray:
     """[n, stride] uint8, each row the concatenation of ``parts``: constant bytes, an [n, k] uint8
     array, or [n] void items; each part is moved as one item per row, not byte by byte."""
@@ -431,6 +439,36 @@ class RowConnection:
         one MULTI/EXEC transaction: the rows and the extra keys change together or not at all.
         """
         return self._run(lambda: self._set_rows(groups, list(extra)))
+
+    def replies(self, commands: bytes, n: int) -> list:
+        """``n`` RESP commands (``encode_command``, ``key_commands``) sent in one write; -> each
+        one's reply, parsed by hiredis (a bulk string as bytes, an array as a list): no Python
+        object per command beyond its reply. An error reply raises, naming it."""
+        return self._run(lambda: self._replies(commands, n))
+
+    def _replies(self, commands: bytes, n: int) -> list:
+        import hiredis
+
+        self._send(commands)
+        reader = hiredis.Reader()
+        if self._buf:
+            reader.feed(bytes(self._buf))
+            self._buf.clear()
+        sock, out = self._sock(), []
+        while len(out) < n:
+            reply = reader.gets()
+            if reply is False:
+                sock.settimeout(self._remaining())
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise redis.ConnectionError("connection closed by server")
+                reader.feed(chunk)
+            elif isinstance(reply, hiredis.ReplyError):
+                self.close()  # the replies after it are not read: the socket goes
+                raise _error(str(reply))
+            else:
+                out.append(reply)
+        return out
 
     def get(self, key: bytes) -> bytes | None:
         return self._run(lambda: self._get(key))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import redis
@@ -126,8 +127,8 @@ class BucketLayout:
         """Row ids of the ``fields`` of each of ``buckets`` at once (``row_ids`` of many buckets);
         ValueError when a field is not one of this layout."""
         span, fb = self.span(row_bytes), self.field_bytes
-        counts = np.array([len(f) for f in fields], np.int64)
-        joined = b"".join(x for f in fields for x in f)
+        counts = np.fromiter(map(len, fields), np.int64, len(fields))
+        joined = b"".join(chain.from_iterable(fields))
         if len(joined) != fb * int(counts.sum()):
             bad = next(x for f in fields for x in f if len(x) != fb)
             raise ValueError(f"field {bad!r} is not {fb} bytes")

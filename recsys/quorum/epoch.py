@@ -69,8 +69,9 @@ def same_everywhere(group: TrainerGroup, value: int) -> bool:
 
 
 def meet_quorum(trainer, step: int) -> None:
-    """The quorum of ``step`` (at its start); a changed one ends the trainer (``Regroup``, with the
-    state it holds as of ``step - 1``: a peer that joins heals from it meanwhile)."""
+    """The quorum of ``step`` (at its start, every ``--quorum-every`` steps); a changed one ends the
+    trainer (``Regroup``, with the state it holds as of ``step - 1``: a peer that joins heals from it
+    meanwhile)."""
     if step % trainer.cfg.recovery.quorum_every:
         return  # ``--quorum-every K``: a quorum at every K-th step (the same steps for every member)
     replica = trainer.epoch.replica

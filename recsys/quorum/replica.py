@@ -1,22 +1,23 @@
 """A trainer's death stops no one (``--trainer-recovery replace``): each trainer is one torchft
-replica group, and the trainers meet at a quorum (torchft's Lighthouse) at the start of every step.
+replica group, and the trainers meet at a quorum (torchft's Lighthouse) at the start of every K-th
+step (``--quorum-every``; torchft's ``should_commit`` every step).
 
 One ``Replica`` per trainer process holds its ``torchft.Manager`` and the quorum's gloo group
 (``QuorumProcessGroup``, configured again by the manager whenever the quorum changes). Every
 collective of the trainer runs on that group (``QuorumComm``, the ``TrainerGroup``'s ``comm``); a
 collective that fails (a peer died, or stayed silent past ``--trainer-timeout``) raises ``PeerLost``.
 
-A step: the quorum (``Replica.quorum``; unchanged: on), the step under the tier's commit protocol,
-then ``should_commit``. The quorum changes, a collective fails or a step is not committed: the
-trainer's loop ends (``Regroup`` or ``PeerLost``, ``recsys.quorum.regroup``), the trainers of the new
-quorum agree where to go on from, and each builds its trainer again in the same process (no torch
-import, no new process): a trainer left, or a step was cut short, and every trainer resumes from
-the per-step dense state (every shard back to its step, the undo records taking back what a
-discarded step wrote, as a group restart does); a trainer only joined, and the others go on from
-the step they were at, the newcomer healed from a live peer through torchft's checkpoint transport
-(the peer's dense model, optimizer and run state, as bytes). The chunks of each step are fixed (one
-per trainer the run started with) and reduced in chunk order, so the quorum's size never changes
-the arithmetic: survivors train a dead trainer's chunks beside their own, and the run ends
+A step: the quorum (``Replica.quorum``, every K-th step; unchanged: on), the step under the tier's
+commit protocol, then ``should_commit``. The quorum changes, a collective fails or a step is not
+committed: the trainer's loop ends (``Regroup`` or ``PeerLost``, ``recsys.quorum.regroup``), the
+trainers of the new quorum agree where to go on from, and each builds its trainer again in the same
+process (no torch import, no new process): a trainer left, or a step was cut short, and every
+trainer resumes from the per-step dense state (every shard back to its step, the undo records taking
+back what a discarded step wrote, as a group restart does); a trainer only joined, and the others go
+on from the step they were at, the newcomer healed from a live peer through torchft's checkpoint
+transport (the peer's dense model, optimizer and run state, as bytes). The chunks of each step are
+fixed (one per trainer the run started with) and reduced in chunk order, so the quorum's size never
+changes the arithmetic: survivors train a dead trainer's chunks beside their own, and the run ends
 bit-identical to a run without the death.
 
 Timeouts: a trainer's manager heartbeats every ``HEARTBEAT_S``; the Lighthouse drops one silent for
