@@ -40,7 +40,7 @@ from embeddings.servers.launcher import ShardSpec, free_port
 from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
 from recsys.config import ConfigError, RunConfig
-from recsys.datasets import prepare
+from recsys.datasets import prepare, sources
 from recsys.errors import TrainerFailed, default_signals, first_cause, read_errors, report_error
 from recsys.results.rundir import (
     OutLock,
@@ -165,10 +165,15 @@ def launch_trainers(cfg: RunConfig, urls: list[str], namespace: str, specs) -> d
         # a killed trainer leaves a semaphore for multiprocessing's tracker to reap: not the user's concern
         PYTHONWARNINGS="ignore::UserWarning:multiprocessing.resource_tracker",
     ):
+        method = start_method()
+        if method == "fork" and cfg.data.kind == "synthetic":
+            # the synthetic teacher's AUC (0.3 s, kept per process) once here: every trainer forked
+            # from this process finds it, a replacement or a restarted group too (numpy alone: no thread)
+            sources(cfg)
         if cfg.replaces_trainers:  # a trainer's death stops no one: only it starts again
             from recsys.quorum.supervisor import launch_replicas
 
-            return launch_replicas(cfg, urls, namespace, specs, start_method())
+            return launch_replicas(cfg, urls, namespace, specs, method)
         return _launch_trainers(cfg, urls, namespace, specs)
 
 

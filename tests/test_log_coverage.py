@@ -126,3 +126,19 @@ def test_truncation_reads_only_the_framing_before_the_later_steps_and_cuts_the_s
     assert [e.offset for e in after if e.record is None] == [at]  # the damaged record stayed, where it was
     assert seg.read_bytes()[: at + 1] == bytes(data[: at + 1])
     assert log.replay(0, 8)[1] == 8  # damage past the needed steps is harmless
+
+
+def test_truncation_with_nothing_past_the_step_leaves_the_segment_unread_and_untouched(tmp_path):
+    """A regroup's usual case: every record is of the resumed step or before, and whole: the file
+    is neither rewritten nor cut. A later step's records are cut in place."""
+    log = write(tmp_path, segments=((1, range(1, 11)),))
+    seg = log.segments()[0]
+    before, st = seg.read_bytes(), seg.stat()
+    for step in (10, 25):
+        log.truncate_after(step)
+        now = seg.stat()
+        assert (now.st_ino, now.st_mtime_ns, now.st_size) == (st.st_ino, st.st_mtime_ns, st.st_size)
+    assert seg.read_bytes() == before
+    log.truncate_after(9)  # step 10's records go, cut in place
+    assert seg.stat().st_ino == st.st_ino and seg.stat().st_size < st.st_size
+    assert max(e.record.step for e in entries(seg)[0] if e.record is not None) == 9

@@ -26,6 +26,7 @@ partial replay.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import time
@@ -106,7 +107,7 @@ class Entry:
     record: LogRecord | None
 
 
-def frames(data: bytes | memoryview) -> tuple[list[tuple[int, int]], int]:
+def frames(data: bytes | memoryview | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
     """The framing of a segment's bytes alone (no CRC checked, nothing decoded): -> ([(offset, its
     step field, unverified)] per framed record, where the framing ends: ``entries``' end)."""
     out, pos, size = [], 0, len(data)
@@ -118,6 +119,19 @@ def frames(data: bytes | memoryview) -> tuple[list[tuple[int, int]], int]:
         out.append((pos, _STEP.unpack_from(data, pos + _HEADER.size)[0]))
         pos = end
     return out, pos
+
+
+def file_frames(path: Path) -> tuple[list[tuple[int, int]], int, int]:
+    """``frames`` of a segment's file through a read-only map (its headers read, no copy of its
+    rows: a regroup frames every shard's open segment); -> (framed records, where the framing ends,
+    the file's size)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return [], 0, 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            framed, end = frames(m)
+    return framed, end, size
 
 
 def entries(path: Path, data: bytes | None = None, start: int = 0) -> tuple[list[Entry], int, str]:
@@ -381,23 +395,31 @@ class ShardLog:
                 seg.unlink()
                 removed = True
                 continue
-            data = seg.read_bytes()
-            framed, end = frames(data)
+            framed, end, size = file_frames(seg)
             # the records before the first whose step field says a later step stay as they are,
             # damaged ones included (a replay that needs their steps names them): only the records
-            # from there on are checked (a regroup cuts the last step's, at the tail); a torn tail goes
-            out, end, _ = entries(seg, data, next((at for at, s in framed if s > step), end))
+            # from there on are read and checked (a regroup cuts the last step's, at the tail); a
+            # torn tail goes. Nothing from there on: the file stays as it is, unread.
+            at = next((a for a, s in framed if s > step), end)
+            if at == size:
+                continue
+            with open(seg, "rb") as f:
+                f.seek(at)
+                tail = f.read()
+            out, end, _ = entries(seg, tail)  # offsets from ``at``
             bounds = [e.offset for e in out[1:]] + [end]
             cut = next((e.offset for e in out if e.record is not None and e.record.step > step), end)
             later = [
-                data[e.offset : b]
+                tail[e.offset : b]
                 for e, b in zip(out, bounds)
                 if e.offset >= cut and e.record is not None and e.record.step <= step
             ]
             if later:
-                write_atomic(seg, b"".join([data[:cut], *later]))
-            elif cut < len(data):
-                _truncate(seg, cut)  # the tail goes: the file cut in place, not written again
+                with open(seg, "rb") as f:
+                    head = f.read(at + cut)
+                write_atomic(seg, b"".join([head, *later]))
+            elif at + cut < size:
+                _truncate(seg, at + cut)  # the tail goes: the file cut in place, not written again
         if removed:
             fsync_dir(self.dir)
 
@@ -434,8 +456,7 @@ def repair(path: Path) -> int:
     """Cut a torn tail (a record whose framing or length runs past the end) at the last whole
     record; returns bytes cut. A whole record failing its CRC stays: a replay that needs its step
     names it."""
-    _, end = frames(path.read_bytes())
-    size = path.stat().st_size
+    _, end, size = file_frames(path)
     if end < size:
         _truncate(path, end)
     return size - end
