@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from embeddings import LocalShards
-from recovery.durable.log import ShardLog, encode_group, entries
+from recovery.durable.log import ShardLog
+from recovery.durable.log_format import encode_group, entries
 from tests import procs
 from tests.conftest import track, train_cli
 from tests.test_errors import one_error_line

@@ -91,7 +91,7 @@ def test_trailing_bytes_and_inconsistent_headers_raise():
 def test_the_three_formats_carry_the_same_groups():
     from embeddings.store.redis_store import decode_groups, encode_groups
     from recovery.durable import rowfiles
-    from recovery.durable.log import END, _size, encode_group
+    from recovery.durable.log_format import END, encode_group, step_bytes
     from recovery.errors import CorruptCheckpointError
 
     groups = some_groups(np.random.default_rng(5))
@@ -111,8 +111,8 @@ def test_the_three_formats_carry_the_same_groups():
         rowfiles.decode(rowfiles.encode(3, 9, groups, dims)[:-1], "f")
 
     blob = encode_group(7, groups)
-    assert len(blob) == _size(groups)
-    assert len(encode_group(7, [])) == _size([])
+    assert len(blob) == step_bytes(groups)
+    assert len(encode_group(7, [])) == step_bytes([])
     # a record is the framing and the step around one group: its end record is a group of no rows
     assert blob.find(b"".join(codec.parts(*groups[1]))) > 0
     assert blob.endswith(b"".join(codec.parts(END, np.zeros(0, np.int64), np.zeros((0, len(groups)), np.float32))))

@@ -5,7 +5,8 @@ harmless. Real files, the log's own writer."""
 import numpy as np
 import pytest
 
-from recovery.durable.log import ShardLog, entries
+from recovery.durable.log import ShardLog
+from recovery.durable.log_format import entries
 from recovery.errors import LogGapError
 
 ROW = np.ones((2, 3), np.float32)

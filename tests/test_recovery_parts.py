@@ -10,7 +10,8 @@ from embeddings import LocalShards, RedisStore, RowWiseAdagrad, TableSet, TableS
 from recovery.accounting import Ledger, UpdateCounter, lost_samples, pls
 from recovery.durable.checkpoint import Checkpointer, CheckpointHooks
 from recovery.durable.identity import snapshot_mismatch
-from recovery.durable.log import ShardLog, encode_record, parse_fsync_policy, scan
+from recovery.durable.log import ShardLog, parse_fsync_policy
+from recovery.durable.log_format import encode_record, scan
 from recovery.errors import CorruptCheckpointError, InjectionSpecError, NoCheckpointError
 from recovery.inject import Injection, corrupt_file, parse_injection
 from recovery.manager import RecoveryManager
