@@ -230,3 +230,32 @@ def test_the_lighthouse_dying_stops_the_run_in_one_line_and_resume_finishes_it_b
     assert f"finish the run with --resume {out}" in lines[0]
     s = train_cli(out, "--resume", str(out))
     assert s["embedding_digest"] == reference["embedding_digest"]
+
+
+def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_one_line():
+    """Trainers launched as separate commands each read ``--quorum-every`` from their own command
+    line: members that would meet at different steps are stopped at the quorum's first collective."""
+    import numpy as np
+
+    from recsys.config import RecoveryConfig, RunConfig, TrainConfig
+    from recsys.quorum.regroup import agree
+    from recsys.quorum.replica import Quorum
+
+    class Quorum2:  # the quorum's MAX over two trainers: this one's vector and the other's
+        def __init__(self, other=None) -> None:
+            self.other, self.sent = other, None
+
+        def max_flags(self, v):
+            self.sent = v.copy()
+            return v if self.other is None else np.maximum(v, self.other)
+
+    def cfg(k: int) -> RunConfig:
+        return RunConfig(train=TrainConfig(trainers=2), recovery=RecoveryConfig(quorum_every=k))
+
+    q = Quorum(7, (0, 1), 1, None, 0.0)
+    theirs = Quorum2()
+    agree(theirs, cfg(8), 0, (0, 1), q, True, False)
+    same = agree(Quorum2(theirs.sent), cfg(8), 1, (0, 1), q, True, False)
+    assert same.tolist() == [0] * 7  # nobody left or joined, every member holds a state
+    with pytest.raises(RuntimeError, match=r"quorum 7 disagree on --quorum-every \(4 here; from 4 to 8\)"):
+        agree(Quorum2(theirs.sent), cfg(4), 1, (0, 1), q, True, False)

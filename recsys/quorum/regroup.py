@@ -33,7 +33,7 @@ def agree(
     and whether any member holds no state to go on from. ``prev``: the members of this process's
     last quorum (None at its first); ``replacement``: it started after the run began."""
     n = max(cfg.train.trainers, 1 + max(q.members))
-    v = np.zeros(3 * n + 1, dtype=np.int64)
+    v = np.zeros(3 * n + 3, dtype=np.int64)
     if prev is not None:
         for i in set(prev) - set(q.members):
             v[i] = 1
@@ -41,7 +41,15 @@ def agree(
         v[n + index] = 2 if q.healed is not None else 1
         v[2 * n + index] = int(q.seconds * 1000)
     v[3 * n] = 0 if has_state else 1
-    return group.max_flags(v)
+    k = cfg.recovery.quorum_every  # trainers launched as separate commands could differ: each meets on its own steps
+    v[3 * n + 1 : 3 * n + 3] = (k, -k)
+    v = group.max_flags(v)
+    if v[3 * n + 1] != -v[3 * n + 2]:
+        raise RuntimeError(
+            f"the trainers of quorum {q.quorum_id} disagree on --quorum-every ({k} here; from "
+            f"{-int(v[3 * n + 2])} to {int(v[3 * n + 1])}): run every trainer with the same value"
+        )
+    return v[: 3 * n + 1]
 
 
 def quorum_group(cfg, q: Quorum, index: int, comm) -> TrainerGroup:

@@ -42,7 +42,10 @@ import torch
 HEARTBEAT_S = 0.1
 HEARTBEAT_TIMEOUT_S = 0.5
 QUORUM_TICK_MS = 10
-JOIN_TIMEOUT_S = 0.3  # a quorum with a trainer heartbeating but not yet asking waits this long for it
+# a quorum with a trainer heartbeating but not yet asking waits this long for it, counted from the
+# first member's ask: a replacement that asked early (it waits for the others' next quorum step)
+# must not let the first survivor to arrive form a quorum without the others
+JOIN_TIMEOUT_S = 5.0
 QUORUM_TIMEOUT_S = 600.0  # a quorum waits this long for its members (a slow step, a long restore)
 
 
