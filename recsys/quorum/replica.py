@@ -22,8 +22,9 @@ bit-identical to a run without the death.
 
 Timeouts: a trainer's manager heartbeats every ``HEARTBEAT_S``; the Lighthouse drops one silent for
 ``HEARTBEAT_TIMEOUT_S`` (a killed trainer's detection time). A slow trainer that still heartbeats is
-waited for at the quorum, and within a collective for ``--trainer-timeout`` seconds, after which
-the step is discarded and the quorum forms again (with it, while it heartbeats).
+waited for at the quorum (up to ``JOIN_TIMEOUT_S``), and within a collective for
+``--trainer-timeout`` seconds, after which the step is discarded and the quorum forms again (with
+it, while it heartbeats).
 """
 
 from __future__ import annotations
