@@ -572,7 +572,12 @@ class LocalShards:
         (self._root / SUPERVISOR_FILE).write_text(self._supervisor_address)
 
     def stop(self) -> None:
-        for shard in self._shards + self._replicas:
+        shards = self._shards + self._replicas
+        for shard in shards:  # every server told first, then each awaited: they shut down side by side
+            if isinstance(shard.proc, subprocess.Popen) and shard.proc.poll() is None:
+                shard.proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
+                shard.proc.terminate()
+        for shard in shards:
             self._terminate(shard)
         self._shards, self._replicas = [], []
         if self._supervisor is not None:  # its servers die with it (none is left after the above)

@@ -73,6 +73,8 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
 
     marks = RunMarks(Path(cfg.train.out), cfg.train.trainers)
     replacement = marks.started()  # the run began before this trainer: it replaces one
+    if replacement:  # before its manager heartbeats: no quorum waits for a member that cannot ask yet
+        prewarm(cfg, urls, namespace)
     replica = Replica(index, lighthouse, cfg.recovery.trainer_timeout)
     try:
         prev: tuple[int, ...] | None = None
@@ -80,8 +82,6 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
         detected = 0.0
         if not replacement:
             marks.ready(index)
-        else:
-            prewarm(cfg, urls, namespace)
         q = _quorum(replica, 0)
         marks.mark_started()
         while True:

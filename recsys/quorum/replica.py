@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-HEARTBEAT_S = 0.1
-HEARTBEAT_TIMEOUT_S = 0.5
+HEARTBEAT_S = 0.05
+HEARTBEAT_TIMEOUT_S = 0.25
 QUORUM_TICK_MS = 10
 # a quorum with a trainer heartbeating but not yet asking waits this long for it, counted from the
 # first member's ask: a replacement that asked early (it waits for the others' next quorum step)

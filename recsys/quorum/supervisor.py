@@ -34,6 +34,12 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
     from recsys.quorum.replica import Lighthouse, quiet_torchft
 
     quiet_torchft()
+    if start_method == "fork":
+        # torchft's modules (0.1 s to import, no thread started) once here: a trainer forked from
+        # this process, a replacement too, builds its manager at once
+        import torchft.checkpointing.pg_transport  # noqa: F401
+        import torchft.manager  # noqa: F401
+        import torchft.process_group  # noqa: F401
     out = Path(cfg.train.out)
     lighthouse = None
     address = cfg.recovery.lighthouse
