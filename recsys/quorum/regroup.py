@@ -132,10 +132,11 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
 
 
 def prewarm(cfg, urls: list[str], namespace: str) -> None:
-    """A replacement, before it asks for a quorum: what its first trainer's build computes once per
-    process done now (the data's sources, with the synthetic teacher's AUC, kept per process), and
-    the arrays of its held rows allocated and touched (``row_slots.keep_released``), so that the
-    build at the quorum, which the others wait for, finds them ready. A store that cannot be opened
+    """A replacement, before its manager starts (it heartbeats only once it can ask, so no quorum
+    waits for it meanwhile): what its first trainer's build computes once per process done now
+    (the data's sources, with the synthetic teacher's AUC, kept per process), and the arrays of its
+    held rows allocated and touched (``row_slots.keep_released``), so that the build at the quorum,
+    which the others wait for, finds them ready. A store that cannot be opened
     now is left to the build, which says why."""
     from embeddings.errors import EmbeddingStoreError
     from recsys.backends import open_store
