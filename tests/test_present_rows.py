@@ -131,3 +131,35 @@ def test_a_listing_connection_sends_a_batch_in_one_write_and_an_error_reply_name
         assert wire.replies(key_commands(b"HKEYS", keys[1:2]), 1) == [[b"c"]]
     finally:
         wire.close()
+
+
+def test_a_listing_connection_to_an_endpoint_that_does_not_speak_resp_names_it():
+    """An endpoint that answers the listing's commands with something other than RESP (a wrong port
+    given as a shard): one ``WireError`` that says so, not hiredis's own exception."""
+    import socket
+    import threading
+
+    from embeddings.net.wire import RowConnection, WireError, key_commands
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while data := conn.recv(1 << 16):
+                if b"HKEYS" in data:  # the listing's batch: not RESP
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                else:  # the connection's own set-up (CLIENT SETINFO ...): +OK to each command
+                    conn.sendall(b"+OK\r\n" * data.count(b"\r\n*") + b"+OK\r\n")
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    wire = RowConnection(redis.ConnectionPool.from_url(f"redis://127.0.0.1:{port}/0", protocol=2), 5.0)
+    try:
+        with pytest.raises(WireError, match="not RESP"):
+            wire.replies(key_commands(b"HKEYS", [b"k1", b"k2"]), 2)
+    finally:
+        wire.close()
+        listener.close()
+        t.join(5)

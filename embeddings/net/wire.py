@@ -456,7 +456,10 @@ class RowConnection:
             self._buf.clear()
         sock, out = self._sock(), []
         while len(out) < n:
-            reply = reader.gets()
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError as e:  # not RESP (``_run`` closes the socket)
+                raise WireError(f"the server's replies are not RESP: {e}") from None
             if reply is False:
                 sock.settimeout(self._remaining())
                 chunk = sock.recv(1 << 20)

@@ -279,13 +279,19 @@ def _supervised_spawn(spec: ShardSpec, address: str, argv: list[str], env: dict,
     return _Child(int(reply["pid"]))
 
 
+def _signal_stop(proc: subprocess.Popen | _Child | None) -> None:
+    """SIGCONT (a stopped process would not act on TERM), then SIGTERM, to a child still running."""
+    if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+
+
 def _stop_process(proc: subprocess.Popen | _Child) -> None:
     if isinstance(proc, _Child):
         kill_and_wait(proc.pid)
         return
     if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
-        proc.terminate()
+        _signal_stop(proc)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -574,9 +580,7 @@ class LocalShards:
     def stop(self) -> None:
         shards = self._shards + self._replicas
         for shard in shards:  # every server told first, then each awaited: they shut down side by side
-            if isinstance(shard.proc, subprocess.Popen) and shard.proc.poll() is None:
-                shard.proc.send_signal(signal.SIGCONT)  # a stopped process would not act on TERM
-                shard.proc.terminate()
+            _signal_stop(shard.proc)
         for shard in shards:
             self._terminate(shard)
         self._shards, self._replicas = [], []

@@ -91,12 +91,12 @@ def file_frames(path: Path) -> tuple[list[tuple[int, int]], int, int]:
     return framed, end, size
 
 
-def entries(path: Path, data: bytes | None = None, start: int = 0) -> tuple[list[Entry], int, str]:
+def entries(path: Path, data: bytes | None = None) -> tuple[list[Entry], int, str]:
     """Every framed record of a segment, damaged ones included (the framing goes on past a bad CRC),
     -> (entries, where they end, why they end there: "" at the end of the file). ``data``: the
-    segment's bytes, read already; ``start``: the offset of a record boundary to begin at."""
+    segment's bytes, read already."""
     data = memoryview(path.read_bytes() if data is None else data)  # records are views of one read, not copies
-    out, pos, why = [], start, ""
+    out, pos, why = [], 0, ""
     while pos < len(data):
         if pos + _HEADER.size > len(data):
             why = f"a torn record header at byte {pos}"
