@@ -279,14 +279,19 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()  # the line after it (an error, the summary) starts on a line of its own
-            if self.injector is not None:
-                self.injector.close()
-            # --trainer-recovery replace: its background work ends before the process builds the next trainer
-            self.recovery.close(settle=self.epoch is not None)
-            self.backend.close()
-            self.reader.close()
-            self.dense_saver.close()
-            torch.set_num_threads(self._threads_before)
+            self.close()
+
+    def close(self) -> None:
+        """Its threads, connections and files closed (``train`` ends so; a trainer built for a quorum
+        that did not form as expected is closed unused)."""
+        if self.injector is not None:
+            self.injector.close()
+        # --trainer-recovery replace: its background work ends before the process builds the next trainer
+        self.recovery.close(settle=self.epoch is not None)
+        self.backend.close()
+        self.reader.close()
+        self.dense_saver.close()
+        torch.set_num_threads(self._threads_before)
 
     def elapsed_before(self) -> float:
         """The run's wall time before this process's first step: 0 for a fresh start; after a

@@ -9,6 +9,7 @@ takes its shards too), behind, or whose restore was cut short are recovered unde
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from embeddings import ShardDataError
@@ -89,6 +90,9 @@ class Restarts:
         recoveries restore every shard from a checkpoint with ``rebuild``). Returns its outcome
         (``full`` or ``rebuild`` roll back further)."""
         rolled: list[int] = []
+        shards = range(self.store.num_shards)
+        truncating: list[Future] = []
+        pool = ThreadPoolExecutor(max(1, min(16, 2 * self.store.num_shards)), thread_name_prefix="resume")
         self.writer.written_to = step
         if self.ledger.keep_recent:  # the totals a loss is measured from
             self.ledger.recent[step] = self.ledger.counter.total.copy()
@@ -101,9 +105,8 @@ class Restarts:
                 self.journal.run_dir, self.store.num_shards, self.shard_restore.strategy.replays_log
             )
             self.drop_saves_after(step)
-            if self.log_dir is not None:
-                for s in range(self.store.num_shards):
-                    ShardLog(self.log_dir, s).truncate_after(step)
+            if self.log_dir is not None:  # each shard's log cut on a thread of its own, beside the rollback
+                truncating = [pool.submit(ShardLog(self.log_dir, s).truncate_after, step) for s in shards]
             for s in self.journal.interrupted_restores():
                 self.detector.fail(s)
         done: set[int] = set()
@@ -111,23 +114,32 @@ class Restarts:
         def roll_back(only) -> None:
             if self.rank != 0:
                 return
-            if rebuild:
-                if only is None:
-                    for s in range(self.store.num_shards):
-                        self.detector.fail(s)
-                return
-            for s in range(self.store.num_shards):
-                recovered = only is not None and s in only
-                if s in done and not recovered:
-                    continue
-                n = self._roll_back_shard(s, step, recovered)
-                if n is not None:
-                    done.add(s)
-                    rolled.append(n)
+            try:
+                if rebuild:
+                    if only is None:
+                        for s in shards:
+                            self.detector.fail(s)
+                    return
+                todo = [s for s in shards if s not in done or (only is not None and s in only)]
+                # side by side: each shard's round trips and undo write are its own
+                got = pool.map(lambda s: self._roll_back_shard(s, step, only is not None and s in only), todo)
+                for s, n in zip(todo, got):
+                    if n is not None:
+                        done.add(s)
+                        rolled.append(n)
+            finally:
+                # every log is cut before the commit point, whose recoveries replay them
+                while truncating:
+                    truncating.pop().result()
 
         if self.injector is not None:
             self.injector.during("resume")
-        out = run_phase(step + 1, "resume", roll_back)
+        try:
+            out = run_phase(step + 1, "resume", roll_back)
+        finally:
+            for f in truncating:  # a failure before the phase ran them: no cut left half done behind
+                f.result()
+            pool.shutdown()
         self.shard_restore.started_empty.clear()  # from here on an empty shard is a failure
         counter = self.ledger.counter
         last_checkpoint = max(c for c in counter.at_step if c <= step) if self.checkpointer is not None else step

@@ -52,14 +52,57 @@ def agree(
     return v[: 3 * n + 1]
 
 
-def quorum_group(cfg, q: Quorum, index: int, comm) -> TrainerGroup:
-    """The group of trainer ``index`` in quorum ``q``: the chunks of the run's trainers shared by
-    the quorum's (chunk order), or, under ``--dense-reduce allreduce``, its own chunk alone (the
-    chunks of trainers outside the quorum skipped, the gradients averaged over those trained)."""
+def quorum_group(cfg, members: int, rank: int, index: int, comm) -> TrainerGroup:
+    """The group of trainer ``index`` at ``rank`` of a quorum of ``members`` trainers: the chunks of
+    the run's trainers shared by the quorum's (chunk order), or, under ``--dense-reduce allreduce``,
+    its own chunk alone (the chunks of trainers outside the quorum skipped, the gradients averaged
+    over those trained)."""
     chunks = cfg.train.chunks or cfg.train.trainers
     if cfg.train.dense_reduce == "allreduce":
-        return TrainerGroup(len(q.members), q.rank, chunks, exact=False, comm=comm, own_chunk=index)
-    return TrainerGroup(len(q.members), q.rank, chunks, comm=comm)
+        return TrainerGroup(members, rank, chunks, exact=False, comm=comm, own_chunk=index)
+    return TrainerGroup(members, rank, chunks, comm=comm)
+
+
+class Prebuilt:
+    """A trainer built while its quorum forms, for the members it expects (those of its last quorum
+    after a peer was lost: a replacement takes the dead one's place; every trainer of the run at a
+    first quorum): the detection of a death (the Lighthouse's heartbeat lapse) is time the survivors
+    wait anyway. Taken at the quorum if it came out as expected (the same members, the same rank),
+    else closed unused and the trainer built for the quorum there is."""
+
+    def __init__(self, cfg, urls, namespace, specs, replica: Replica, members: tuple[int, ...], finishing) -> None:
+        from recsys.trainer import Trainer
+
+        t0 = time.perf_counter()
+        self.members, self.rank = members, members.index(replica.index)
+        group = quorum_group(cfg, len(members), self.rank, replica.index, replica.comm)
+        epoch = Epoch(group, replica, replica.index, -1, members=members, finishing=finishing)
+        self.trainer: Trainer | None = Trainer(cfg, urls, namespace, len(members), self.rank, specs, epoch=epoch)
+        self.build_s = time.perf_counter() - t0
+
+    @classmethod
+    def maybe(cls, *args) -> Prebuilt | None:
+        """None where the build fails: the build at the quorum then says why (or succeeds there)."""
+        try:
+            return cls(*args)
+        except Exception:  # noqa: BLE001 - a guess: the real build follows at the quorum
+            return None
+
+    def take(self, q: Quorum):
+        """The trainer, if ``q`` came out as expected (else None: it is closed unused)."""
+        trainer, self.trainer = self.trainer, None
+        if trainer is None:
+            return None
+        if tuple(q.members) != self.members or q.rank != self.rank:
+            trainer.close()
+            return None
+        trainer.t_setup = time.perf_counter() - self.build_s  # its set-up: the build, not the wait for the quorum
+        return trainer
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
 
 
 def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, lighthouse: str) -> dict | None:
@@ -76,18 +119,28 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
     if replacement:  # before its manager heartbeats: no quorum waits for a member that cannot ask yet
         prewarm(cfg, urls, namespace)
     replica = Replica(index, lighthouse, cfg.recovery.trainer_timeout)
+    pre: Prebuilt | None = None
     try:
         prev: tuple[int, ...] | None = None
         live: dict | None = None
         detected = 0.0
         if not replacement:
             marks.ready(index)
+        # every trainer of the run expected at the first quorum (a replacement: in the dead one's place)
+        everyone = tuple(sorted({*range(cfg.train.trainers), index}))
+        pre = Prebuilt.maybe(cfg, urls, namespace, specs, replica, everyone, marks.finishing)
         q = _quorum(replica, 0)
         marks.mark_started()
         while True:
+            trainer = pre.take(q) if pre is not None else None
+            pre = None
             if prev is None and len(q.members) == 1 and marks.has_ended():
+                if trainer is not None:
+                    trainer.close()
                 return None  # a replacement alone at a run that ended meanwhile
-            group = quorum_group(cfg, q, index, replica.comm)
+            group = (
+                trainer.group if trainer is not None else quorum_group(cfg, len(q.members), q.rank, index, replica.comm)
+            )
             healed = None
             if q.healed is not None:
                 healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
@@ -101,23 +154,25 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
                     fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
             except PeerLost:
+                if trainer is not None:
+                    trainer.close()
                 prev, live, detected = q.members, None, time.time()
                 q = _quorum(replica, 0)
                 continue
-            epoch = Epoch(
-                group,
-                replica,
-                index,
-                q.quorum_id,
-                start_state=None if fresh else state,
-                members=tuple(q.members),
-                left=left,
-                joined={i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
-                heal_s=float(v[2 * n : 3 * n].max()) / 1000,
-                detected_at=detected,
-                finishing=marks.finishing,
-            )
-            trainer = Trainer(cfg, urls, namespace, len(q.members), q.rank, specs, epoch=epoch)
+            how = {
+                "quorum_id": q.quorum_id,
+                "start_state": None if fresh else state,
+                "left": left,
+                "joined": {i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
+                "heal_s": float(v[2 * n : 3 * n].max()) / 1000,
+                "detected_at": detected,
+            }
+            if trainer is None:
+                epoch = Epoch(group, replica, index, members=tuple(q.members), finishing=marks.finishing, **how)
+                trainer = Trainer(cfg, urls, namespace, len(q.members), q.rank, specs, epoch=epoch)
+            else:
+                for k, val in how.items():
+                    setattr(trainer.epoch, k, val)
             prev = q.members
             try:
                 return trainer.train()
@@ -126,8 +181,12 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             except PeerLost as e:
                 trainer.recovery.journal.note(f"trainer {index}: {e}; the step is discarded, the quorum forms again")
                 live, detected = None, time.time()
+                # the same members expected (a dead trainer's replacement asks meanwhile): built while the quorum forms
+                pre = Prebuilt.maybe(cfg, urls, namespace, specs, replica, tuple(prev), marks.finishing)
                 q = _quorum(replica, 0)
     finally:
+        if pre is not None:
+            pre.close()
         replica.close()
 
 
