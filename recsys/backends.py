@@ -102,8 +102,8 @@ class Backend:
     def fresh_start(self) -> None:
         """A new run (not a resume) begins."""
 
-    def resumed_start(self) -> None:
-        """A resumed run begins, its rows back at its step."""
+    def resumed_start(self, step: int) -> None:
+        """A resumed run begins, its rows back at ``step``."""
 
     def drain(self) -> None:
         """Forget rows read ahead (a shard was restored under them)."""
@@ -222,11 +222,12 @@ class StoreBackend(Backend):
         if not self.cfg.train.init_from:
             self.store.assume_fresh()
 
-    def resumed_start(self) -> None:
-        """A resumed run, its shards back at its step: which rows of this trainer's shards exist is
+    def resumed_start(self, step: int) -> None:
+        """A resumed run, its shards back at ``step``: which rows of this trainer's shards exist is
         listed from them in the background, so that a row never written is known so without a read,
-        as in a fresh run (``embeddings.store.present``)."""
-        self.store.learn_present()
+        as in a fresh run (``embeddings.store.present``); a cache taken from the trainer before in
+        this process keeps what holds of it, and only the shards it does not know are listed."""
+        self.store.learn_present(step)
 
     def drain(self) -> None:
         """Forget prefetched and staged rows (after a shard was restored)."""

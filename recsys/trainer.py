@@ -109,6 +109,15 @@ def torch_threads(cfg: RunConfig, world_size: int) -> int:
     return max(1, (cores - servers) // world_size)
 
 
+def _file_key(path: Path | None) -> tuple | None:
+    """A file's identity and version (inode, size, modification time), None where there is none."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except FileNotFoundError:
+        return None
+    return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class Trainer:
     """One trainer process: its parts are built here; ``train()`` runs the loop."""
 
@@ -182,6 +191,7 @@ class Trainer:
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
         self._checkpoint_owed = False  # one came due while a shard was away: taken at its rejoin
+        self._preloaded: tuple[tuple, dict] | None = None  # (its file's identity, the dense state) (``preload``)
         self._resumed_from: tuple[float, float] | None = None  # (elapsed_s, saved_at) of the state resumed from
         self._before = 0.0  # the run's wall time before this process trained (``elapsed_before``)
         self.clock = StepClock()
@@ -572,17 +582,21 @@ class Trainer:
         shard then rolls back to it, and the steps since are trained again)."""
         rebuild = False
         epoch = self.epoch
+        pre, self._preloaded = self._preloaded, None
         try:
             # a quorum that only gained trainers goes on from the state each holds (``recsys.quorum.regroup``)
-            resumed = (
-                epoch.start_state if epoch is not None and epoch.start_state is not None else self.dense_saver.load()
-            )
+            if epoch is not None and epoch.start_state is not None:
+                resumed, loaded = epoch.start_state, False
+            else:
+                resumed, loaded = self._dense_state(pre)
         except CorruptCheckpointError as e:
-            resumed, rebuild = self._resume_from_checkpoint(str(e)), True
+            resumed, rebuild, loaded = self._resume_from_checkpoint(str(e)), True, False
+        if resumed is None and pre is not None:
+            raise RuntimeError(f"the per-step dense state {self.dense_saver.path} went away while the quorum formed")
         if self.rank == 0:
             self.out = RunOutputs(self.cfg, append=resumed is not None)
         t_restart = epoch.detected_at if epoch is not None and epoch.left else time.time()
-        if resumed is not None:
+        if resumed is not None and not loaded:
             self.load_state_dict(resumed)
         self.reader.read_ahead()  # the first step's batch is read while the run resumes
         if self.injector is not None:
@@ -604,7 +618,7 @@ class Trainer:
         out = self.recovery.resume(self.step - 1, t_restart, size, rebuild=rebuild)
         if out.rolled_back:
             self.roll_back(out.to_step)
-        self.backend.resumed_start()
+        self.backend.resumed_start(self.step - 1)
         if epoch is not None:
             journal = self.recovery.journal
             if epoch.joined:  # the newcomers hold what every other trainer holds, bit for bit
@@ -614,6 +628,29 @@ class Trainer:
             for i in set(epoch.members) - set(epoch.joined):  # back without a join (a resumed run's first quorum)
                 if journal.absent(i):
                     journal.note_rejoin(i, self.step)
+
+    def preload(self) -> None:
+        """Built while its quorum forms (``recsys.quorum.regroup.Prebuilt``): the per-step dense
+        state read and loaded now, and the first batch from there read ahead, which the resume
+        takes if the file is still the same one then (it is replaced whole, by a rename); else the
+        resume reads it as it would."""
+        key = _file_key(getattr(self.dense_saver, "path", None))
+        if key is None:
+            return
+        try:
+            state = self.dense_saver.load()
+        except CorruptCheckpointError:
+            return  # the resume reads it again and says so
+        if state is not None:
+            self.load_state_dict(state)
+            self._preloaded = (key, state)
+            self.reader.read_ahead()  # its first batch too (dropped if the resume goes on from elsewhere)
+
+    def _dense_state(self, pre: tuple[tuple, dict] | None) -> tuple[dict | None, bool]:
+        """The per-step dense state, and whether it is the one ``preload`` loaded already (``pre``)."""
+        if pre is not None and _file_key(self.dense_saver.path) == pre[0]:
+            return pre[1], True
+        return self.dense_saver.load(), False
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

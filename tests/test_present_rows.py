@@ -163,3 +163,52 @@ def test_a_listing_connection_to_an_endpoint_that_does_not_speak_resp_names_it()
         wire.close()
         listener.close()
         t.join(5)
+
+
+def test_a_trainer_built_again_in_its_process_takes_its_cache_whole_and_keeps_what_a_rollback_left(shards3, namespace):
+    """``--trainer-recovery replace``: the next trainer of a process that writes the same shards
+    takes the last one's cache; after another trainer rolled a step back behind its back, the rows
+    that step wrote are read back (or known never written), the rest stay held, and nothing is listed."""
+    from embeddings.store import row_slots
+
+    rng = np.random.default_rng(7)
+    row_slots.keep_released()
+    try:
+        with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace, seed=1) as first:
+            first.hold_rows({0, 1, 2}, EVERY_ROW)
+            first.assume_fresh()
+            for step in (1, 2, 3):
+                keys = np.unique(pack(1, rng.integers(0, 2500, 600)))
+                first.apply_keys(keys, torch.from_numpy(rng.standard_normal((len(keys), 8)).astype(np.float32)), step)
+            held_before = first.row_cache
+            kept = np.unique(pack(1, np.arange(0, 2500)))
+            kept = kept[first.row_cache.state_of(kept) == HELD]
+            again = kept[:40]  # written again in step 4, which is then rolled back
+            new = pack(1, np.arange(4000, 4030))  # first written in step 4
+            step4 = np.concatenate([again, new])
+            first.apply_keys(step4, torch.ones((len(step4), 8)), 4)
+        with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace, seed=1) as rank0:
+            assert sum(rank0.rollback(s, 3) for s in range(3)) == len(step4)  # behind the writer's back
+            want = rank0.read_keys(kept)
+        # the next trainer of this process: another store, the same shards and budget
+        with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace, seed=1) as nxt:
+            nxt.hold_rows({0, 1, 2}, EVERY_ROW)
+            held = nxt.row_cache
+            assert held is not None and held is held_before and nxt.cache.taken_over
+            nxt.learn_present(3)  # every shard back at step 3
+            assert nxt.present._thread is None  # every row known: nothing listed
+            assert (held.state_of(again) == UNKNOWN).all()  # step 4 wrote it: read back
+            assert (held.state_of(new) == ABSENT).all()  # first written in step 4: not there now
+            assert (held.state_of(kept[40:]) == HELD).all()  # untouched by step 4: still held
+            np.testing.assert_array_equal(held.read_keys(kept[40:]), want[40:])
+            np.testing.assert_array_equal(nxt.read_keys(kept), want)  # the step-4 rows read back as rolled back
+        with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace + "x", seed=1) as other:
+            other.hold_rows({0, 1, 2}, EVERY_ROW)  # another run's store: a cache of its own
+            assert other.row_cache is not held and not other.cache.taken_over
+            assert other.row_cache.state_of(kept[40:]).tolist() == [UNKNOWN] * len(kept[40:])
+        with RedisStore(shards3.urls, TABLES, OPT, namespace=namespace, seed=1) as st:
+            st.hold_rows({0, 1}, EVERY_ROW)  # other shards: a cache of its own
+            assert st.row_cache is not held and not st.cache.taken_over
+            st.clear()
+    finally:
+        row_slots.keep_released(False)

@@ -48,10 +48,14 @@ class CacheFront:
         """A fresh run: a held shard that never applied a step holds none of its rows yet (``RowCache.assume_fresh``)."""
         self.cache.assume_fresh(self.markers.applied_step)
 
-    def learn_present(self) -> None:
+    def learn_present(self, step: int | None = None) -> None:
         """A resumed run: the rows on each held shard listed in the background, so that a row not on
-        its shard is known never written without a read (``embeddings.store.present``)."""
-        self.present.start()
+        its shard is known never written without a read (``embeddings.store.present``). ``step``:
+        where the resume brought every shard, for a cache taken from the trainer before in this
+        process (``RowCache.resumed``): only the shards it does not know are listed."""
+        shards = self.cache.resumed(step) if step is not None else None
+        if shards is None or shards:
+            self.present.start(shards)
 
     def stop_learning(self) -> None:
         """A shard failed: the listing of a resumed run learns nothing from now on (``PresentRows.stop``)."""

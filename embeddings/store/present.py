@@ -52,14 +52,17 @@ class PresentRows:
         self._stop = threading.Event()
         self._closed = False
         self._floor: dict[int, tuple[int | None, str]] = {}  # per shard, (applied marker, run id) at ``start``
+        self._only: set[int] | None = None  # the held shards to list (None: all)
         self.learned: list[int] = []  # the shards learned by the last listing
         self.rows = 0  # rows listed by it
         self.seconds = 0.0  # its wall time
 
-    def start(self) -> None:
-        """List the held shards' rows on a thread of its own (``prepare``, then ``run``)."""
+    def start(self, shards: set[int] | None = None) -> None:
+        """List the held shards' rows (``shards`` of them: None, all) on a thread of its own
+        (``prepare``, then ``run``)."""
         if self._thread is not None:
             return
+        self._only = shards
         generation = self.prepare()
         if generation is not None:
             self._thread = threading.Thread(target=self._run, args=(generation,), name="present-rows", daemon=True)
@@ -74,8 +77,13 @@ class PresentRows:
             return None
         self._stop.clear()  # a recovery during the resume stopped nothing begun after it
         generation = held.begin_learning()
-        self._floor = {s: m for s in sorted(held.shards) if (m := self._mark(s)) is not None and m[0] is not None}
+        self._floor = {
+            s: m for s in sorted(self._listing(held)) if (m := self._mark(s)) is not None and m[0] is not None
+        }
         return generation
+
+    def _listing(self, held) -> set[int]:
+        return held.shards if self._only is None else held.shards & self._only
 
     def stop(self) -> None:
         """A shard failed (any trainer's recovery begins): what the listing learns from now on is
@@ -122,7 +130,7 @@ class PresentRows:
         t0 = time.perf_counter()
         values = held.holds_everything()
         present: dict[int, np.ndarray] = {}
-        for s in sorted(held.shards - self.away()):
+        for s in sorted(self._listing(held) - self.away()):
             if self._stop.is_set():
                 return []
             keys = self._listed(s, generation, values)

@@ -232,4 +232,5 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
         self.present.close()
         self.writes.close()
         self.links.close()
-        self.cache.release()
+        # a trainer built again in this process takes its cache (none with a shard away: its rows are the outage's)
+        self.cache.release(carry=not self._away())

@@ -38,7 +38,18 @@ import numpy as np
 from embeddings import rowkeys
 from embeddings.errors import ShardUnavailableError
 from embeddings.store.row_cache_restores import HeldRestores
-from embeddings.store.row_slots import ABSENT, FREE, HELD, NEVER, SLOT_OVERHEAD, UNKNOWN, RowSlots, put_rows
+from embeddings.store.row_slots import (
+    ABSENT,
+    FREE,
+    HELD,
+    NEVER,
+    SLOT_OVERHEAD,
+    UNKNOWN,
+    RowSlots,
+    carried,
+    keeps_released,
+    put_rows,
+)
 from embeddings.tables import TableSet
 
 PREFILL_ROWS = 1 << 18  # rows initialised at a time by a fresh run's prefill (``HeldRows._prefill``)
@@ -66,6 +77,7 @@ class HeldRows(RowSlots):
         state). ``num_shards``: the store's (this writer writes every shard: no owner needed to tell a
         fresh shard's row)."""
         self.shards = set(shards)
+        self.budget_bytes = budget_bytes
         self._tables = tables
         self._every_shard = num_shards is not None and self.shards >= set(range(num_shards))
         self._owner_of = owner_of
@@ -97,6 +109,11 @@ class HeldRows(RowSlots):
 
     def holds(self, table: int) -> bool:
         return bool(self._held[table]) and self.capacity > 0
+
+    def unlisted(self) -> set[int]:
+        """The held shards whose rows not held are not known never written (``assume_fresh``,
+        ``assume_present``)."""
+        return self.shards - self._fresh
 
     def stats(self) -> dict:
         return {
@@ -372,6 +389,12 @@ class HeldRows(RowSlots):
                 self._admit(keys[new], None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)
 
 
+def _table_rows(space) -> int:
+    """The rows of the tables a ``HeldRows`` of ``space`` holds (those of the first table's width)."""
+    widths = [space.width(t) for t in range(len(space.tables.specs))]
+    return sum(spec.num_rows for spec, w in zip(space.tables.specs, widths) if w == widths[0])
+
+
 class RowCache:
     """The store's part that owns the rows its trainer holds (``held``: a ``HeldRows``, None until
     ``hold_rows``): starting to hold the rows of the shards it writes, a fresh run's shards known
@@ -381,14 +404,29 @@ class RowCache:
     def __init__(self, space, shard_map, num_shards: int) -> None:
         self.space, self.shard_map, self.num_shards = space, shard_map, num_shards
         self.held: HeldRows | None = None
+        self.taken_over = False  # ``held`` is the cache of the trainer before in this process (``hold_rows``)
         self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
         self.reload_kept = self.reload_absent = self.reload_read = (
             0  # rows of restored shards: held again, absent, read
         )
 
     def hold_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
-        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written."""
+        """Keep the rows of ``shards`` (the ones this process writes) in memory as they are written.
+        A trainer built again in its process (``--trainer-recovery replace``) that writes the same
+        shards within the same budget takes the last one's cache whole (``release``): what it holds
+        stands once the resume says where the shards are (``resumed``)."""
         sp = self.space
+        while carried:
+            namespace, last = carried.pop()
+            if (namespace, last.shards, last.budget_bytes, last.table_rows) == (
+                sp.namespace,
+                set(shards),
+                budget_bytes,
+                _table_rows(sp),
+            ):
+                self.held, self.taken_over = last, True
+                return last
+            last.release()  # its arrays go to the cache built below, touched already
         self.held = HeldRows(
             sp.tables,
             [sp.width(t) for t in range(len(sp.tables.specs))],
@@ -401,11 +439,39 @@ class RowCache:
         )
         return self.held
 
-    def release(self) -> None:
+    def release(self, carry: bool = False) -> None:
         """The store closed: the held rows' arrays go to the next cache of their size in this process
-        (``RowSlots.release``)."""
-        if self.held is not None:
-            self.held.release()
+        (``RowSlots.release``); with ``carry`` (and ``keep_released`` on, no slot grown for an open
+        window), the cache goes whole to the next store of this process that holds the same shards
+        (``hold_rows``), and this store holds none from now on."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        if carry and keeps_released() and held.capacity and not held.grown:
+            carried[:] = [(self.space.namespace, held)]
+        else:
+            held.release()
+
+    def resumed(self, step: int) -> set[int]:
+        """A resumed run, every shard back at ``step`` at most (no write of this trainer's after it
+        left on any: a rollback of one step, a restore). A cache taken from the trainer before
+        (``hold_rows``) keeps what holds there: every row it holds stands for its shard's current
+        value (a restore seen at a commit point forgot the rows it changed), except a row this
+        writer wrote after ``step``, which a rollback by another trainer took back behind its back:
+        held again if last written at ``step`` or before, known never written if first written after
+        it, read back otherwise. Rows known never written stay so (a rollback or restore only takes
+        rows away). -> the held shards whose rows are not all known present or absent (to be
+        listed: ``embeddings.store.present``)."""
+        held = self.held
+        if held is None:
+            return set()
+        if not self.taken_over:
+            return set(held.shards)
+        self.taken_over = False
+        for s in sorted(held.shards):
+            held.restores.clear(s)
+            held.restores.restored(s, step, step)
+        return held.unlisted()
 
     def forget(self, shard: int | None = None) -> None:
         """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go
@@ -422,6 +488,9 @@ class RowCache:
         held = self.held
         if held is None:
             return
+        if self.taken_over:  # a fresh run's shards hold none of the rows the last trainer held
+            held.restores.clear()
+            self.taken_over = False
         fresh = set()
         for s in sorted(held.shards):
             try:

@@ -43,6 +43,8 @@ _FIELDS = {
 }
 _spare: list[dict[str, np.ndarray]] = []  # the arrays of the last cache released in this process
 _keep: list[bool] = [False]  # whether a released cache's arrays are kept (``keep_released``)
+# the last cache closed in this process, whole: (its namespace, its ``HeldRows``) (``RowCache.release``)
+carried: list[tuple] = []
 
 
 def keep_released(on: bool = True) -> None:
@@ -52,6 +54,12 @@ def keep_released(on: bool = True) -> None:
     _keep[0] = on
     if not on:
         _spare.clear()
+        carried.clear()
+
+
+def keeps_released() -> bool:
+    """Whether this process builds its caches again (``keep_released``)."""
+    return _keep[0]
 
 
 def _take_spare(capacity: int, width: int) -> dict[str, np.ndarray] | None:

@@ -78,6 +78,11 @@ class Prebuilt:
         group = quorum_group(cfg, len(members), self.rank, replica.index, replica.comm)
         epoch = Epoch(group, replica, replica.index, -1, members=members, finishing=finishing)
         self.trainer: Trainer | None = Trainer(cfg, urls, namespace, len(members), self.rank, specs, epoch=epoch)
+        try:
+            self.trainer.preload()
+        except BaseException:
+            self.trainer.close()
+            raise
         self.build_s = time.perf_counter() - t0
 
     @classmethod
@@ -188,6 +193,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
         if pre is not None:
             pre.close()
         replica.close()
+        keep_released(False)  # the last trainer's cache goes (an in-process run: nothing of it outlives the run)
 
 
 def prewarm(cfg, urls: list[str], namespace: str) -> None:
