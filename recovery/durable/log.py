@@ -94,8 +94,9 @@ class ShardLog:
     def first_step(path: Path) -> int:
         return layout.segment_first_step(path)
 
-    def open_segment(self, first_step: int) -> None:
-        """Start appending to the segment of updates from ``first_step`` on (cutting a torn tail).
+    def open_segment(self, first_step: int, cut: bool = False) -> None:
+        """Start appending to the segment of updates from ``first_step`` on (cutting a torn tail;
+        ``cut``: ``truncate_after`` cut it just now, and nothing was appended since: not read again).
         While records are being written in the background (at a checkpoint), the switch is queued
         behind them on the log's thread and the caller goes on: records of later steps land in the
         new segment, and ``wait`` reports a failure of the switch like one of a write."""
@@ -105,6 +106,8 @@ class ShardLog:
             self.seconds += time.perf_counter() - t0
             return
         self.close()
+        if not cut:
+            self._cut_torn(first_step)
         self._open(first_step)
         self._opened = True
 
@@ -113,13 +116,18 @@ class ShardLog:
             before.result()  # the records ahead of the switch are written (their error surfaces here)
         t0 = time.perf_counter()
         self._close_file()
+        self._cut_torn(first_step)
         self._open(first_step)
         self.background_seconds += time.perf_counter() - t0
 
-    def _open(self, first_step: int) -> None:
+    def _cut_torn(self, first_step: int) -> None:
+        """The torn tail of the segment from ``first_step`` on, if it exists, cut (``repair``)."""
         path = layout.log_segment(self.dir.parent, self.shard, first_step)
         if path.exists():
             self.num_cut_bytes += repair(path)
+
+    def _open(self, first_step: int) -> None:
+        path = layout.log_segment(self.dir.parent, self.shard, first_step)
         self._file = open(path, "ab")
         fsync_dir(self.dir)
 

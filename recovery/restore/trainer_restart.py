@@ -143,8 +143,10 @@ class Restarts:
         self.shard_restore.started_empty.clear()  # from here on an empty shard is a failure
         counter = self.ledger.counter
         last_checkpoint = max(c for c in counter.at_step if c <= step) if self.checkpointer is not None else step
+        # rank 0 cut every log after ``step`` above (torn tails too), unless it rolled back further
+        cut = self.log_dir is not None and not out.rolled_back
         for log in self.writer.logs.values():
-            log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1)
+            log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1, cut=cut)
         self.journal.record_trainer_failures(step, t_restart, restored_bytes, sum(rolled))
         return out
 
