@@ -109,13 +109,12 @@ def torch_threads(cfg: RunConfig, world_size: int) -> int:
     return max(1, (cores - servers) // world_size)
 
 
-def _file_key(path: Path | None) -> tuple | None:
-    """A file's identity and version (inode, size, modification time), None where there is none."""
-    try:
-        st = os.stat(path) if path is not None else None
-    except FileNotFoundError:
-        return None
-    return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+def _dense_state(saver, pre: tuple[tuple, dict] | None) -> tuple[dict | None, bool]:
+    """The per-step dense state, and whether it is the one loaded already while the quorum formed
+    (``pre``: its file's identity then, and the state; ``recsys.quorum.regroup.Prebuilt``)."""
+    if pre is not None and saver.identity() == pre[0]:
+        return pre[1], True
+    return saver.load(), False
 
 
 class Trainer:
@@ -191,7 +190,8 @@ class Trainer:
         self._t_step = 0.0
         self._dense_cache: tuple[int, dict, dict] | None = None
         self._checkpoint_owed = False  # one came due while a shard was away: taken at its rejoin
-        self._preloaded: tuple[tuple, dict] | None = None  # (its file's identity, the dense state) (``preload``)
+        # the dense state loaded while the quorum formed, and its file's identity then (``regroup.Prebuilt``)
+        self.preloaded: tuple[tuple, dict] | None = None
         self._resumed_from: tuple[float, float] | None = None  # (elapsed_s, saved_at) of the state resumed from
         self._before = 0.0  # the run's wall time before this process trained (``elapsed_before``)
         self.clock = StepClock()
@@ -551,14 +551,10 @@ class Trainer:
                 # rows not held (a shard restored since its writer last wrote them) are read from Redis
                 f"{what}_rows_from_redis": rows - (held.hits - hits if held is not None else 0),
                 f"{what}_pause_s": round(pauses[-1], 5),
-                "step_s": round(self._step_s(), 5),
+                # mean seconds per step so far (the scale a pause is judged against)
+                "step_s": round((time.perf_counter() - self.t0) / max(1, self.step - self._first_step + 1), 5),
             }
         )
-
-    def _step_s(self) -> float:
-        """Mean seconds per step so far (the scale a pause is judged against)."""
-        done = max(1, self.step - self._first_step + 1)
-        return (time.perf_counter() - self.t0) / done
 
     def evaluate(self, step: int) -> tuple[Outcome, dict]:
         """Rank 0 evaluates (reading the tier) under the protocol; the others wait at its commit point."""
@@ -582,13 +578,13 @@ class Trainer:
         shard then rolls back to it, and the steps since are trained again)."""
         rebuild = False
         epoch = self.epoch
-        pre, self._preloaded = self._preloaded, None
+        pre, self.preloaded = self.preloaded, None
         try:
             # a quorum that only gained trainers goes on from the state each holds (``recsys.quorum.regroup``)
             if epoch is not None and epoch.start_state is not None:
                 resumed, loaded = epoch.start_state, False
             else:
-                resumed, loaded = self._dense_state(pre)
+                resumed, loaded = _dense_state(self.dense_saver, pre)
         except CorruptCheckpointError as e:
             resumed, rebuild, loaded = self._resume_from_checkpoint(str(e)), True, False
         if resumed is None and pre is not None:
@@ -628,29 +624,6 @@ class Trainer:
             for i in set(epoch.members) - set(epoch.joined):  # back without a join (a resumed run's first quorum)
                 if journal.absent(i):
                     journal.note_rejoin(i, self.step)
-
-    def preload(self) -> None:
-        """Built while its quorum forms (``recsys.quorum.regroup.Prebuilt``): the per-step dense
-        state read and loaded now, and the first batch from there read ahead, which the resume
-        takes if the file is still the same one then (it is replaced whole, by a rename); else the
-        resume reads it as it would."""
-        key = _file_key(getattr(self.dense_saver, "path", None))
-        if key is None:
-            return
-        try:
-            state = self.dense_saver.load()
-        except CorruptCheckpointError:
-            return  # the resume reads it again and says so
-        if state is not None:
-            self.load_state_dict(state)
-            self._preloaded = (key, state)
-            self.reader.read_ahead()  # its first batch too (dropped if the resume goes on from elsewhere)
-
-    def _dense_state(self, pre: tuple[tuple, dict] | None) -> tuple[dict | None, bool]:
-        """The per-step dense state, and whether it is the one ``preload`` loaded already (``pre``)."""
-        if pre is not None and _file_key(self.dense_saver.path) == pre[0]:
-            return pre[1], True
-        return self.dense_saver.load(), False
 
     def init_rows(self) -> None:
         """``--init-from``: rank 0 streams every table's rows from the DCP folder into the shards, a

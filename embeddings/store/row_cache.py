@@ -110,11 +110,6 @@ class HeldRows(RowSlots):
     def holds(self, table: int) -> bool:
         return bool(self._held[table]) and self.capacity > 0
 
-    def unlisted(self) -> set[int]:
-        """The held shards whose rows not held are not known never written (``assume_fresh``,
-        ``assume_present``)."""
-        return self.shards - self._fresh
-
     def stats(self) -> dict:
         return {
             "capacity_rows": self.capacity,
@@ -471,7 +466,7 @@ class RowCache:
         for s in sorted(held.shards):
             held.restores.clear(s)
             held.restores.restored(s, step, step)
-        return held.unlisted()
+        return held.shards - held._fresh  # rows not held known never written (``assume_fresh``, ``assume_present``)
 
     def forget(self, shard: int | None = None) -> None:
         """A shard changed behind the writers' backs (restore, rollback, failover): its held rows go

@@ -230,6 +230,15 @@ class DenseSaver:
             e, self._error = self._error, None
             raise e
 
+    def identity(self) -> tuple | None:
+        """The saved state's file as it is now (inode, size, modification time: a save replaces it
+        whole, by a rename), None where there is none."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def load(self) -> dict | None:
         """The saved state of this run (same namespace), or None."""
         if not self.path.exists():
@@ -301,4 +310,7 @@ class NoDenseSaver:
         pass
 
     def load(self) -> dict | None:
+        return None
+
+    def identity(self) -> None:
         return None

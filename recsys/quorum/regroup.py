@@ -52,6 +52,25 @@ def agree(
     return v[: 3 * n + 1]
 
 
+def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict | None, replacement: bool) -> dict:
+    """What the members of quorum ``q`` agree on (``agree``; ``state``: what this trainer holds to
+    go on from, its own or healed from a peer, None: nothing), as the ``Epoch`` fields it sets:
+    where to go on from (``start_state``: None, the dense state), who left and who joined."""
+    v = agree(group, cfg, index, prev, q, state is not None, replacement)
+    n = (len(v) - 1) // 3
+    left = [i for i in range(n) if v[i]]
+    fresh = bool(left) or bool(v[3 * n])
+    if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
+        fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
+    return {
+        "quorum_id": q.quorum_id,
+        "start_state": None if fresh else state,
+        "left": left,
+        "joined": {i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
+        "heal_s": float(v[2 * n : 3 * n].max()) / 1000,
+    }
+
+
 def quorum_group(cfg, members: int, rank: int, index: int, comm) -> TrainerGroup:
     """The group of trainer ``index`` at ``rank`` of a quorum of ``members`` trainers: the chunks of
     the run's trainers shared by the quorum's (chunk order), or, under ``--dense-reduce allreduce``,
@@ -79,11 +98,30 @@ class Prebuilt:
         epoch = Epoch(group, replica, replica.index, -1, members=members, finishing=finishing)
         self.trainer: Trainer | None = Trainer(cfg, urls, namespace, len(members), self.rank, specs, epoch=epoch)
         try:
-            self.trainer.preload()
+            self._preload(self.trainer)
         except BaseException:
             self.trainer.close()
             raise
         self.build_s = time.perf_counter() - t0
+
+    @staticmethod
+    def _preload(trainer) -> None:
+        """The per-step dense state read and loaded now, and the first batch from there read ahead;
+        the resume takes them if the file is still the same one then (``Trainer.preloaded``), else
+        reads it as it would (a position loaded again drops the batch read ahead)."""
+        from recovery.errors import CorruptCheckpointError
+
+        key = trainer.dense_saver.identity()
+        if key is None:
+            return
+        try:
+            state = trainer.dense_saver.load()
+        except CorruptCheckpointError:
+            return  # the resume reads it again and says so
+        if state is not None:
+            trainer.load_state_dict(state)
+            trainer.preloaded = (key, state)
+            trainer.reader.read_ahead()
 
     @classmethod
     def maybe(cls, *args) -> Prebuilt | None:
@@ -149,29 +187,15 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             healed = None
             if q.healed is not None:
                 healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
-            has_state = live is not None or healed is not None
-            state = live if live is not None else healed
             try:
-                v = agree(group, cfg, index, prev, q, has_state, replacement)
-                n = (len(v) - 1) // 3
-                left = [i for i in range(n) if v[i]]
-                fresh = bool(left) or bool(v[3 * n])
-                if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
-                    fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
+                how = meeting(group, cfg, index, prev, q, live if live is not None else healed, replacement)
             except PeerLost:
                 if trainer is not None:
                     trainer.close()
                 prev, live, detected = q.members, None, time.time()
                 q = _quorum(replica, 0)
                 continue
-            how = {
-                "quorum_id": q.quorum_id,
-                "start_state": None if fresh else state,
-                "left": left,
-                "joined": {i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
-                "heal_s": float(v[2 * n : 3 * n].max()) / 1000,
-                "detected_at": detected,
-            }
+            how["detected_at"] = detected
             if trainer is None:
                 epoch = Epoch(group, replica, index, members=tuple(q.members), finishing=marks.finishing, **how)
                 trainer = Trainer(cfg, urls, namespace, len(q.members), q.rank, specs, epoch=epoch)
