@@ -143,3 +143,36 @@ def test_truncation_with_nothing_past_the_step_leaves_the_segment_unread_and_unt
     log.truncate_after(9)  # step 10's records go, cut in place
     assert seg.stat().st_ino == st.st_ino and seg.stat().st_size < st.st_size
     assert max(e.record.step for e in entries(seg)[0] if e.record is not None) == 9
+
+
+def test_a_cut_in_the_process_that_wrote_the_log_frames_nothing_and_cuts_the_same_bytes(tmp_path, monkeypatch):
+    """A regroup's cut of its own shards' logs: the writer's step offsets (kept in the process that
+    wrote them) say where the later steps begin, as long as the file is still as written; a segment
+    followed by one that starts at or before the step after the cut is not framed either."""
+    import recovery.durable.log as log_module
+
+    framed: list[str] = []
+    real = log_module.file_frames
+    monkeypatch.setattr(log_module, "file_frames", lambda p: framed.append(p.name) or real(p))
+    write(tmp_path)  # steps 1-10 in seg 1, 11-20 in seg 11; its writer closed, as a regroup closes it
+    ShardLog(tmp_path, 0).truncate_after(15)  # a new log object, as the resume's
+    assert framed == []
+    steps = [r.step for r in ShardLog(tmp_path, 0).records(0)]
+    assert steps == sorted(steps) and max(steps) == 15 and set(steps) == set(range(1, 16))
+    assert ShardLog(tmp_path, 0).replay(0, 15)[1] == 15
+    # the file changed since (here: cut above): framed, and cut the same way
+    ShardLog(tmp_path, 0).truncate_after(12)
+    assert framed == ["seg_0000000011.log"]
+    assert max(r.step for r in ShardLog(tmp_path, 0).records(0)) == 12
+    # a writer that opened a segment holding records already knows only its own steps: a cut
+    # before them frames the segment
+    for steps, cut, frames in (((13, 14), 13, []), ((14, 15), 11, ["seg_0000000011.log"])):
+        log = ShardLog(tmp_path, 0)
+        log.open_segment(11)
+        for step in steps:
+            log.append_step(step, [(0, np.array([0, 10]), ROW * step)])
+        log.close()
+        framed.clear()
+        ShardLog(tmp_path, 0).truncate_after(cut)  # after its first step: from its offsets; before: framed
+        assert framed == frames
+        assert {r.step for r in ShardLog(tmp_path, 0).records(0)} == set(range(1, cut + 1))

@@ -68,6 +68,13 @@ def parse_fsync_policy(policy: str) -> float | None:
     raise ValueError(f"fsync policy {policy!r} must be 'always', 'every:N' (milliseconds, N > 0) or 'none'")
 
 
+# per shard log directory, what this process last wrote to its open segment: (the segment, its
+# inode, its size when opened, its size and modification time now, [(step, offset of the step's
+# first record)]): a cut after a step in this process (a regroup) finds the offset without framing
+# the segment, if the file is still as written
+_written: dict[Path, tuple[Path, int, int, tuple[int, int], list[tuple[int, int]]]] = {}
+
+
 class ShardLog:
     """The log of one shard, written by the shard's single writer."""
 
@@ -130,6 +137,8 @@ class ShardLog:
         path = layout.log_segment(self.dir.parent, self.shard, first_step)
         self._file = open(path, "ab")
         fsync_dir(self.dir)
+        st = os.fstat(self._file.fileno())
+        _written[self.dir] = (path, st.st_ino, st.st_size, (st.st_size, st.st_mtime_ns), [])
 
     def append_step(self, step: int, groups: list[tuple[int, np.ndarray, np.ndarray]], wait: bool = True) -> int:
         """Group commit of one step's updates (table, ids, new rows), written by a background thread
@@ -178,8 +187,13 @@ class ShardLog:
         t0 = time.perf_counter()
         blob = encode_group(step, groups)
         file = self._file
+        at = file.tell()
         file.write(blob)
         file.flush()
+        memo = _written.get(self.dir)
+        if memo is not None and memo[3][0] == at:  # the segment as this writer wrote it, step by step
+            memo[4].append((step, at))
+            _written[self.dir] = (*memo[:3], (at + len(blob), os.fstat(file.fileno()).st_mtime_ns), memo[4])
         if self._fsync_ms is not None and (time.monotonic() - self._last_fsync) * 1000 >= self._fsync_ms:
             os.fsync(file.fileno())
             self._last_fsync = time.monotonic()
@@ -287,17 +301,22 @@ class ShardLog:
         starts after ``step`` goes: records of later steps are appended to the one open before it, and
         ``records`` and ``replay`` rely on no segment holding steps at or past the next one's first."""
         removed = False
-        for seg in self.segments():
+        segs = self.segments()
+        for seg, nxt in zip(segs, [*segs[1:], None]):
             if self.first_step(seg) > step:
                 seg.unlink()
                 removed = True
                 continue
-            framed, end, size = file_frames(seg)
-            # the records before the first whose step field says a later step stay as they are,
-            # damaged ones included (a replay that needs their steps names them): only the records
-            # from there on are read and checked (a regroup cuts the last step's, at the tail); a
-            # torn tail goes. Nothing from there on: the file stays as it is, unread.
-            at = next((a for a, s in framed if s > step), end)
+            if nxt is not None and self.first_step(nxt) <= step + 1:
+                continue  # its steps are all before the next one's first, which is at most step + 1
+            at, size = self._cut_from(seg, step)
+            if at is None:
+                framed, end, size = file_frames(seg)
+                # the records before the first whose step field says a later step stay as they are,
+                # damaged ones included (a replay that needs their steps names them): only the records
+                # from there on are read and checked (a regroup cuts the last step's, at the tail); a
+                # torn tail goes. Nothing from there on: the file stays as it is, unread.
+                at = next((a for a, s in framed if s > step), end)
             if at == size:
                 continue
             with open(seg, "rb") as f:
@@ -319,6 +338,26 @@ class ShardLog:
                 cut_file(seg, at + cut)  # the tail goes: the file cut in place, not written again
         if removed:
             fsync_dir(self.dir)
+
+    def _cut_from(self, seg: Path, step: int) -> tuple[int | None, int]:
+        """Where the records of steps after ``step`` begin in ``seg``, and its size, from what this
+        process wrote to it (its step offsets, ``_written``), if the file is still exactly that
+        (the same inode, size and time: nothing appended, cut or replaced since) and what it held before
+        this process appended (steps before its first: records are appended in step order) needs
+        no cut; (None, 0) otherwise (the segment is framed)."""
+        memo = _written.get(self.dir)
+        if memo is None or memo[0] != seg:
+            return None, 0
+        path, inode, base, (size, mtime), steps = memo
+        if base and (not steps or step < steps[0][0] - 1):
+            return None, 0
+        try:
+            st = os.stat(seg)
+        except FileNotFoundError:
+            return None, 0
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != (inode, size, mtime):
+            return None, 0
+        return next((a for s, a in steps if s > step), size), size
 
     def drop_before(self, step: int) -> list[Path]:
         """Remove segments whose updates all precede ``step`` (a newer checkpoint covers them)."""

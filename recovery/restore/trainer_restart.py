@@ -105,16 +105,17 @@ class Restarts:
                 self.journal.run_dir, self.store.num_shards, self.shard_restore.strategy.replays_log
             )
             self.drop_saves_after(step)
-            if self.log_dir is not None:  # each shard's log cut on a thread of its own, beside the rollback
-                truncating = [pool.submit(ShardLog(self.log_dir, s).truncate_after, step) for s in shards]
             for s in self.journal.interrupted_restores():
                 self.detector.fail(s)
+        # each shard's writer cuts its log after ``step`` (a log is its writer's), each on a thread of
+        # its own beside rank 0's rollback; a cut in the process that wrote the records needs no framing
+        truncating = [pool.submit(log.truncate_after, step) for log in self.writer.logs.values()]
         done: set[int] = set()
 
         def roll_back(only) -> None:
-            if self.rank != 0:
-                return
             try:
+                if self.rank != 0:
+                    return
                 if rebuild:
                     if only is None:
                         for s in shards:
@@ -128,7 +129,7 @@ class Restarts:
                         done.add(s)
                         rolled.append(n)
             finally:
-                # every log is cut before the commit point, whose recoveries replay them
+                # every log is cut before the commit point (every trainer's), whose recoveries replay them
                 while truncating:
                     truncating.pop().result()
 
@@ -143,8 +144,8 @@ class Restarts:
         self.shard_restore.started_empty.clear()  # from here on an empty shard is a failure
         counter = self.ledger.counter
         last_checkpoint = max(c for c in counter.at_step if c <= step) if self.checkpointer is not None else step
-        # rank 0 cut every log after ``step`` above (torn tails too), unless it rolled back further
-        cut = self.log_dir is not None and not out.rolled_back
+        # this trainer cut its logs after ``step`` above (torn tails too), unless it rolled back further
+        cut = not out.rolled_back
         for log in self.writer.logs.values():
             log.open_segment((out.to_step if out.rolled_back else last_checkpoint) + 1, cut=cut)
         self.journal.record_trainer_failures(step, t_restart, restored_bytes, sum(rolled))
