@@ -420,6 +420,8 @@ class RowCache:
                 _table_rows(sp),
             ):
                 self.held, self.taken_over = last, True
+                for s in last.shards:  # rows forgotten before (a failover, a reconnect) are read back, not held again
+                    last.restores.drop_forgotten(s)
                 return last
             last.release()  # its arrays go to the cache built below, touched already
         self.held = HeldRows(

@@ -152,7 +152,6 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
     """Train as trainer ``index`` of the quorum until the run ends; -> rank 0's summary at the end
     (None elsewhere, and for a replacement that came after the others finished)."""
     from embeddings.store.row_slots import keep_released
-    from recovery.durable.dense import from_bytes
     from recsys.trainer import Trainer
 
     keep_released()  # each trainer built here takes the arrays of the last one's held rows, touched already
@@ -174,20 +173,25 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
         pre = Prebuilt.maybe(cfg, urls, namespace, specs, replica, everyone, marks.finishing)
         q = _quorum(replica, 0)
         marks.mark_started()
+        trained_at: int | None = None  # the quorum id of this process's last trainer
         while True:
             trainer = pre.take(q) if pre is not None else None
             pre = None
-            if prev is None and len(q.members) == 1 and marks.has_ended():
-                if trainer is not None:
-                    trainer.close()
-                return None  # a replacement alone at a run that ended meanwhile
-            group = (
-                trainer.group if trainer is not None else quorum_group(cfg, len(q.members), q.rank, index, replica.comm)
-            )
-            healed = None
-            if q.healed is not None:
-                healed = from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
+            # the last trainer's row cache only for the quorum right after its own: with one between,
+            # other trainers may have written its shards (``RowCache.hold_rows`` takes it whole)
+            if trained_at is None or q.quorum_id != trained_at + 1:
+                trainer = _without_carried_cache(trainer)
             try:
+                if prev is None and len(q.members) == 1 and marks.has_ended():
+                    if trainer is not None:
+                        trainer.close()
+                    return None  # a replacement alone at a run that ended meanwhile
+                group = (
+                    trainer.group
+                    if trainer is not None
+                    else quorum_group(cfg, len(q.members), q.rank, index, replica.comm)
+                )
+                healed = _healed(q, namespace)
                 how = meeting(group, cfg, index, prev, q, live if live is not None else healed, replacement)
             except PeerLost:
                 if trainer is not None:
@@ -195,6 +199,10 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 prev, live, detected = q.members, None, time.time()
                 q = _quorum(replica, 0)
                 continue
+            except BaseException:
+                if trainer is not None:
+                    trainer.close()
+                raise
             how["detected_at"] = detected
             if trainer is None:
                 epoch = Epoch(group, replica, index, members=tuple(q.members), finishing=marks.finishing, **how)
@@ -202,7 +210,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             else:
                 for k, val in how.items():
                     setattr(trainer.epoch, k, val)
-            prev = q.members
+            prev, trained_at = q.members, q.quorum_id
             try:
                 return trainer.train()
             except Regroup as r:
@@ -218,6 +226,29 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             pre.close()
         replica.close()
         keep_released(False)  # the last trainer's cache goes (an in-process run: nothing of it outlives the run)
+
+
+def _healed(q: Quorum, namespace: str) -> dict | None:
+    """The state this trainer healed from a peer at quorum ``q``, decoded (None: it healed none)."""
+    from recovery.durable.dense import from_bytes
+
+    if q.healed is None:
+        return None
+    return from_bytes(q.healed, namespace, f"the state healed from a peer at quorum {q.quorum_id}")
+
+
+def _without_carried_cache(trainer):
+    """No row cache of an earlier trainer of this process for the next one: the one ``trainer`` (built
+    ahead) took is closed with it (-> None: the trainer is built at the quorum), and none is left
+    for the next build to take."""
+    from embeddings.store import row_slots
+
+    store = getattr(trainer.backend, "store", None) if trainer is not None else None
+    if store is not None and store.cache.taken_over:
+        trainer.close()
+        trainer = None
+    row_slots.carried.clear()
+    return trainer
 
 
 def prewarm(cfg, urls: list[str], namespace: str) -> None:
