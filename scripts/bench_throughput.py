@@ -365,6 +365,31 @@ def main() -> None:
         print_table(args, rows)
         if pairs:
             print_pairs(args, pairs, threads)
+        print_guard(args)
+
+
+def print_guard(args) -> None:
+    """The step guard (``recsys.bench.guard``): today's host, kernels and step parts of the fused
+    engine in the project's loop and the tier's goal configuration beside the last recorded ones in
+    docs/benchmarks.md, and where a move lies; ``--record-guard`` records today's."""
+    from recsys.bench import guard
+
+    runs = getattr(args, "guard_runs", {})
+    if "local" not in runs or "tier" not in runs:
+        print("\nguard: no run of the goal configuration (1 trainer, 2 shards) in this invocation: nothing compared")
+        return
+    now = guard.figures(runs["local"], runs["tier"], guard.kernel_ms())
+    was, when = guard.recorded()
+    print(f"\nstep guard: today against docs/benchmarks.md ({when or 'nothing recorded'})\n")
+    print("| figure | what | recorded | today |\n|---|---|---|---|")
+    for key, what in guard.FIGURES:
+        print(f"| {key} | {what} | {was.get(key, '-')} | {now.get(key, '-')} |")
+    print()
+    for line in guard.compare(was, now):
+        print(line)
+    if args.record_guard:
+        guard.record(now)
+        print(f"guard: recorded in {guard.DOC.relative_to(guard.ROOT)}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -423,6 +448,12 @@ def parser() -> argparse.ArgumentParser:
         choices=["", "mlperf-v2"],
         help="only this: the tier against the fused engine under a preset (mlperf-v2: DCN-v2, multi-hot bags, "
         "MLPerf DLRM-v2's table shapes scaled down), --pairs rounds",
+    )
+    ap.add_argument(
+        "--record-guard",
+        action="store_true",
+        help="write this invocation's step guard figures (host, kernels, step parts of the fused engine and "
+        "the tier's goal configuration) to docs/benchmarks.md as the recorded ones",
     )
     return ap
 
@@ -524,6 +555,7 @@ def measure(args) -> tuple[list, list, list]:
         rows.append(("torchrec fused EBC (pre-built batches)", 1, 1, "-", fused_samples_per_s(args), {}, None))
         stock = fused_samples_per_s(args, stock=True)
         base = run(config(args, Path(tmp) / "local", "local", 1, False, 1))
+        args.guard_runs = {"local": base}  # the step guard's (print_guard)
         rows.append(
             ("--embeddings local (fused)", 1, 1, "-", tput(base), step_parts(base), base["throughput_samples_per_s"])
         )
@@ -537,6 +569,8 @@ def measure(args) -> tuple[list, list, list]:
                     if prefetch and w == 1 and cache.get("capacity_rows", 0) >= cache.get("table_rows", 1):
                         label = "on (turned off: the trainer holds every row)"  # recsys/backends.py
                     k = summary.get("write_every", 1)
+                    if (s, w, prefetch) == (2, 1, False):
+                        args.guard_runs["tier"] = summary
                     rows.append(
                         tier_row(
                             f"redis tier, {'--prefetch' if prefetch else 'defaults'} (--write-every {k})",
