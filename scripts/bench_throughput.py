@@ -378,8 +378,12 @@ def print_guard(args) -> None:
     if "local" not in runs or "tier" not in runs:
         print("\nguard: no run of the goal configuration (1 trainer, 2 shards) in this invocation: nothing compared")
         return
-    now = guard.figures(runs["local"], runs["tier"], guard.kernel_ms())
-    was, when = guard.recorded()
+    try:
+        now = guard.figures(runs["local"], runs["tier"], guard.kernel_ms())
+        was, when = guard.recorded()
+    except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"\nguard: not compared: {e}")
+        return
     print(f"\nstep guard: today against docs/benchmarks.md ({when or 'nothing recorded'})\n")
     print("| figure | what | recorded | today |\n|---|---|---|---|")
     for key, what in guard.FIGURES:
