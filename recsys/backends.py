@@ -99,6 +99,9 @@ class Backend:
     def apply_local(self) -> None:
         """Apply this step's row update in this process (where ``gradients`` gave None)."""
 
+    def update_peers(self, update: StepUpdate, step: int) -> None:
+        """The step's update committed: rows kept here of shards other trainers write take it too."""
+
     def fresh_start(self) -> None:
         """A new run (not a resume) begins."""
 
@@ -143,8 +146,17 @@ class StoreBackend(Backend):
         self.store = open_store(cfg, urls, namespace)
         self.store.watch_evictions()  # a server that may evict rows is refused; evicted_keys noted
         if cfg.embeddings.held_rows_mb:  # shard s is written by trainer s % W alone
-            mine = {s for s in range(self.store.num_shards) if group.writes_shard(s)}
-            self.store.hold_rows(mine, int(cfg.embeddings.held_rows_mb * (1 << 20)))
+            n = self.store.num_shards
+            mine = {s for s in range(n) if group.writes_shard(s)}
+            budget = int(cfg.embeddings.held_rows_mb * (1 << 20))
+            if world_size > 1 and len(mine) < n:
+                # the budget split by shards: this trainer's rows, and the rows of the shards the
+                # others write, kept current by every step's summed gradients (no read of them back)
+                own = budget * len(mine) // n
+                self.store.hold_rows(mine, own)
+                self.store.hold_peer_rows(set(range(n)) - mine, budget - own)
+            else:
+                self.store.hold_rows(mine, budget)
         held = self.store.row_cache
         if os.environ.get("RECSYS_ROWS_NOWHERE") == "1":
             self._rows_nowhere(cfg, world_size, held)
@@ -183,9 +195,15 @@ class StoreBackend(Backend):
         each of this trainer's chunks of the step, for a forward of its own. Rows of shards away
         (``--train-through``) are served first, the same on every trainer."""
         self._chunks = []
+        peers = self.store.peer_rows is not None
+        if peers and self.store.outage_active:  # rows away are served by every writer: none kept here
+            self.store.drop_peer_rows()
+            peers = False
         for i, b in enumerate(batch if isinstance(batch, list) else [batch]):
             keys = self.ebc.unique_keys(b.sparse_features)
             self._serve(keys, training=True)
+            if peers:  # before the rows are staged: those kept here are not read
+                self.store.learn_peer_rows(keys, self.store.shard_map.shard_of_keys(keys))
             self.stager.stage(keys, more=i > 0)
 
     def end_chunk(self) -> None:
@@ -216,6 +234,19 @@ class StoreBackend(Backend):
             self.prefetcher.invalidate(update.updated_keys)
         return update
 
+    def update_peers(self, update: StepUpdate, step: int) -> None:
+        """The step's update committed on every shard: the rows of the other trainers' shards kept
+        here take it too (``RedisStore.update_peer_rows``), unless a shard is away."""
+        if self.store.peer_rows is None or update.updated_grads is None:
+            return
+        if self.store.outage_active:
+            self.store.drop_peer_rows()
+            return
+        theirs = np.flatnonzero(update.updated_shards % self.group.world_size != self.group.rank)
+        if len(theirs):
+            at = torch.from_numpy(theirs)
+            self.store.update_peer_rows(update.updated_keys[theirs], update.updated_grads[at], step)
+
     def fresh_start(self) -> None:
         """A new run: the rows of this trainer's shards are known absent until it writes them (not
         so under ``--init-from``, whose rows were written before the first step)."""
@@ -230,8 +261,9 @@ class StoreBackend(Backend):
         self.store.learn_present(step)
 
     def drain(self) -> None:
-        """Forget prefetched and staged rows (after a shard was restored)."""
+        """Forget prefetched and staged rows, and the peer rows (after a shard was restored)."""
         self.stager.clear()
+        self.store.drop_peer_rows()
         if self.prefetcher is not None:
             self.prefetcher.drain()
 

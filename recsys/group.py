@@ -42,6 +42,8 @@ class StepUpdate:
     """Every row updated this step by any trainer, [m] int64 keys."""
     updated_shards: np.ndarray
     """Shard of each of ``updated_keys``."""
+    updated_grads: torch.Tensor | None = None
+    """The global gradients of ``updated_keys`` (the rows other trainers write too), [m, dim]."""
 
 
 class TorchDist:
@@ -247,9 +249,9 @@ class TrainerGroup:
         keys_all = uniq.numpy()
         shards = shard_map.shard_of_keys(keys_all)
         if self.solo:
-            return StepUpdate(keys_all, summed, shards, keys_all, shards)
+            return StepUpdate(keys_all, summed, shards, keys_all, shards, summed)
         mine = np.flatnonzero(shards % self.world_size == self.rank)
-        return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards)
+        return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards, summed)
 
     def _chunk_order(self, k: torch.Tensor, g: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered rows (each trainer's chunks in turn) as chunk 0's, chunk 1's, ... rows."""

@@ -426,6 +426,7 @@ class Trainer:
         out = self.recovery.run_phase(step, "update", write)
         if not out.rolled_back:
             self.recovery.count_updates((update.updated_keys, update.updated_shards), step)
+            self.backend.update_peers(update, step)  # several trainers: the others' rows kept here
         return out
 
     def after_step(self, loss: torch.Tensor) -> Outcome:
@@ -669,6 +670,7 @@ class Trainer:
         meta = self.checkpointer.load(to_step, state["dense"])
         self.load_state_dict({"dense": state["dense"], "run": meta}, rollback=True)
         self.recovery.on_rollback(to_step)
+        self.backend.drain()  # rows read ahead or kept of the other trainers' shards are of later steps
 
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""

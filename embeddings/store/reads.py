@@ -128,6 +128,16 @@ class RowReads:
             return rows
         out = np.empty((len(keys), sp.width(t0)), np.float32)
         out[pos] = rows
+        peers = self.cache.peers
+        if peers is not None and peers.capacity:  # rows of the other trainers' shards kept here
+            rest = np.ones(len(keys), bool)
+            rest[pos] = False
+            rest[absent] = False
+            idx = np.flatnonzero(rest)
+            ppos, prows, pabsent = peers.lookup_keys(keys[idx])
+            out[idx[ppos]] = prows
+            pos = np.concatenate([pos, idx[ppos]])
+            absent = np.concatenate([absent, idx[pabsent]])
         if len(absent):
             dim = sp.tables.specs[t0].dim
             out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
@@ -138,7 +148,7 @@ class RowReads:
             rest[absent] = False
             idx = np.flatnonzero(rest)
             out[idx] = self.read_filled(keys[idx])
-        else:  # every row held or known never written: current until the held rows change
+        elif peers is None:  # every row held or known never written: current until the held rows change
             self._last_held_read = (version, keys, out)
         return out
 

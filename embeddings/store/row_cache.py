@@ -323,6 +323,21 @@ class HeldRows(RowSlots):
             if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 
+    def forget_fresh(self) -> None:
+        """Nothing is known never written from now on (rows changed where this cache did not see it)."""
+        with self.lock:
+            self.version += 1
+            self._fresh = set()
+            self._written = None
+
+    def mark_updated(self, keys: np.ndarray) -> None:
+        """Rows a step updated, whether held here or not: none of them is never written any more."""
+        keys = np.asarray(keys, np.int64)
+        if self._written is None or not len(keys):
+            return
+        with self.lock:
+            self._mark_written(keys[self._held[keys >> rowkeys.ROW_BITS]])
+
     def begin_learning(self) -> int:
         """Before a resumed run lists the rows on its shards (``embeddings.store.present``): every
         row written from now on is marked. -> the generation the listing begins at."""
@@ -399,6 +414,9 @@ class RowCache:
     def __init__(self, space, shard_map, num_shards: int) -> None:
         self.space, self.shard_map, self.num_shards = space, shard_map, num_shards
         self.held: HeldRows | None = None
+        # several trainers: the rows of the shards other trainers write, as this trainer read them
+        # and kept current by every step's summed row gradients (``hold_peer_rows``); None: none
+        self.peers: HeldRows | None = None
         self.taken_over = False  # ``held`` is the cache of the trainer before in this process (``hold_rows``)
         self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
         self.reload_kept = self.reload_absent = self.reload_read = (
@@ -436,11 +454,42 @@ class RowCache:
         )
         return self.held
 
+    def hold_peer_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
+        """Keep rows of ``shards`` (the ones other trainers write) in memory, within ``budget_bytes``:
+        rows the training thread reads from their shards at a step's stage (``put_keys``, step None)
+        and every step's update of them, computed here from the step's summed row gradients as
+        their writer computes it (``put_keys``, the step). Nothing else adds to them: a read on
+        another thread may cross a writer's write. Cleared whole by anything that changes a shard
+        behind the steps (``drop_peers``)."""
+        sp = self.space
+        self.peers = HeldRows(
+            sp.tables,
+            [sp.width(t) for t in range(len(sp.tables.specs))],
+            shards,
+            budget_bytes,
+            owner_of=self.shard_map.shard_of,
+            init=sp.initial_rows,
+            owner_of_keys=self.shard_map.shard_of_keys,
+            num_shards=self.num_shards,
+        )
+        return self.peers
+
+    def drop_peers(self) -> None:
+        """Every peer row forgotten, and what was known never written with them: a recovery, a
+        rollback or a shard away changed rows without a step's update reaching them here."""
+        peers = self.peers
+        if peers is not None:
+            peers.restores.clear()
+            peers.forget_fresh()
+
     def release(self, carry: bool = False) -> None:
         """The store closed: the held rows' arrays go to the next cache of their size in this process
         (``RowSlots.release``); with ``carry`` (and ``keep_released`` on, no slot grown for an open
         window), the cache goes whole to the next store of this process that holds the same shards
         (``hold_rows``), and this store holds none from now on."""
+        peers, self.peers = self.peers, None
+        if peers is not None:
+            peers.release()
         held, self.held = self.held, None
         if held is None:
             return
@@ -475,6 +524,7 @@ class RowCache:
         (None: every shard's)."""
         if self.held is not None:
             self.held.restores.clear(shard)
+        self.drop_peers()
 
     def assume_fresh(self, applied_step: Callable[[int], int | None]) -> None:
         """A fresh run: the held shards that never applied a step (``applied_step``) hold none of its
@@ -497,6 +547,17 @@ class RowCache:
                 continue
         if fresh:
             held.assume_fresh(fresh)
+        peers = self.peers
+        if peers is not None:  # the other trainers' shards, alike
+            fresh = set()
+            for s in sorted(peers.shards):
+                try:
+                    if applied_step(s) is None:
+                        fresh.add(s)
+                except ShardUnavailableError:
+                    continue
+            if fresh:
+                peers.assume_fresh(fresh)
 
     def reload_held(
         self,
