@@ -44,6 +44,12 @@ engine's row says where it can no longer allocate its tables (needed beside avai
 ``--preset mlperf-v2``: only the tier (1 trainer, 2 shards) against the fused engine inside the
 project's loop under the preset (DCN-v2, multi-hot bags), ``--pairs`` alternating rounds.
 
+``--dmp 1,2,3``: only the several-trainers table: for each W, the tier with W trainers (``--dmp-shards``
+shards, the run's defaults) against torchrec's ``DistributedModelParallel`` on W CPU ranks
+(``recsys.bench.dmp``: gloo, table-wise on the fused kernel, one torch thread a rank), same model,
+data and global batch, ``--pairs`` alternating rounds; each round's ratio, the medians, the tier's
+``step_ms`` parts, and a plot (``--dmp-plot``).
+
 ``--cache-sweep 100,25,10,2``: only the row cache sweep: each budget (percent of the tables' bytes)
 against the tier's samples/s, hit rate and peak RSS (each run its own ``recsys train`` process,
 synthetic data generated in the step), Zipf and uniform ids; first a budget that holds every row
@@ -53,6 +59,7 @@ beside them.
     python scripts/bench_throughput.py [--steps 200] [--batch-size 1024] [--shards 1,2,4] [--trainers 1,2] [--pairs 5]
     python scripts/bench_throughput.py --cache-sweep 100,25,10,2 --rows-per-table 2000000
     python scripts/bench_throughput.py --preset mlperf-v2 --pairs 3
+    python scripts/bench_throughput.py --dmp 1,2,3 --pairs 2 --dmp-plot docs/img/dmp.png
 """
 
 from __future__ import annotations
@@ -356,6 +363,11 @@ def main() -> None:
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
             preset_rounds(args, Path(tmp))
+    elif args.dmp:
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+        with tempfile.TemporaryDirectory(prefix="bench-dmp-") as tmp:
+            args.tmp = tmp
+            print_dmp(args, dmp_rounds(args, Path(tmp)))
     elif args.sweep:
         print_sweep(args)
     elif args.cache_sweep:
@@ -396,6 +408,85 @@ def print_guard(args) -> None:
         print(f"guard: recorded in {guard.DOC.relative_to(guard.ROOT)}")
 
 
+def dmp_rounds(args, tmp: Path) -> dict[int, dict]:
+    """``--dmp 1,2,3``: for each trainer count W, ``max(--pairs, 1)`` rounds of torchrec's
+    ``DistributedModelParallel`` on W ranks (``recsys.bench.dmp``) and the tier with W trainers on
+    ``--dmp-shards`` shards (the run's defaults), back to back, alternating which goes first.
+    -> W -> {"dmp": [samples/s], "tier": [samples/s], "parts": the tier's last ``step_ms``, "dmp_ms": [...]}."""
+    from recsys.bench.dmp import dmp_samples_per_s
+
+    out: dict[int, dict] = {}
+    for w in [int(x) for x in args.dmp.split(",")]:
+        got: dict = {"dmp": [], "tier": [], "dmp_ms": [], "parts": {}}
+        batch = args.batch_size
+        args.batch_size = batch - batch % w  # a global batch that splits over W (1023 for 3 out of 1024)
+        got["batch"] = args.batch_size
+        for i in range(max(args.pairs, 1)):
+            cfg = config(args, tmp / f"dmp-tier-{w}-{i}", "redis", args.dmp_shards, False, w)
+            for kind in ("dmp", "tier") if i % 2 == 0 else ("tier", "dmp"):
+                if kind == "dmp":
+                    d = dmp_samples_per_s(cfg, w, args.steps)
+                    got["dmp"].append(d["samples_per_s"])
+                    got["dmp_ms"].append(d["step_ms"])
+                else:
+                    summary = run(cfg)
+                    got["tier"].append(tput(summary))
+                    got["parts"] = summary["step_ms"]
+            print(
+                f"W={w} round {i + 1}: tier {got['tier'][-1]:,.0f}, DMP {got['dmp'][-1]:,.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        out[w] = got
+        args.batch_size = batch
+    return out
+
+
+def print_dmp(args, got: dict[int, dict]) -> None:
+    """The several-trainers table (tier against DMP on as many ranks, each round's ratio and the
+    median) and its plot (``--dmp-plot``)."""
+    print(
+        f"\nsteps={args.steps} global batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
+        f"optimizer={args.optimizer} data={args.data} tier shards={args.dmp_shards}; DMP: 1 torch thread a rank, "
+        "table-wise on the fused kernel\n"
+    )
+    parts = ["quorum", "rows_in", "data", "compute", "rows_out", "waiting", "after"]
+    print(
+        "| W | global batch | tier samples/s per round | DMP samples/s per round | tier / DMP per round | median | "
+        "DMP step (ms) | tier " + " / ".join(parts) + " (ms/step) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    medians = {}
+    for w, g in got.items():
+        ratios = [t / d for t, d in zip(g["tier"], g["dmp"])]
+        medians[w] = (float(np.median(g["tier"])), float(np.median(g["dmp"])), float(np.median(ratios)))
+        cells = " / ".join(str(g["parts"].get(k, "-")) for k in parts)
+        print(
+            f"| {w} | {g['batch']} | {', '.join(f'{x:,.0f}' for x in g['tier'])} | {', '.join(f'{x:,.0f}' for x in g['dmp'])} | "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "
+            f"{np.median(g['dmp_ms']):.1f} | {cells} |"
+        )
+    if args.dmp_plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ws = sorted(medians)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(ws, [medians[w][0] for w in ws], "o-", label="the tier (W trainers)")
+        ax.plot(ws, [medians[w][1] for w in ws], "s--", label="torchrec DMP (W ranks)")
+        ax.set_xlabel("trainers / ranks (W)")
+        ax.set_ylabel("samples/s (median of rounds)")
+        ax.set_xticks(ws)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.dmp_plot)
+        print(f"\nplot: {args.dmp_plot}")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps per configuration")
@@ -405,6 +496,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad"], help="optimizer")
     ap.add_argument("--shards", default="1,2,4", help="comma-separated shard counts")
     ap.add_argument("--trainers", default="1,2", help="comma-separated trainer counts for the Redis tier")
+    ap.add_argument(
+        "--dmp",
+        default="",
+        help="only the several-trainers table: comma-separated trainer counts W, the tier with W trainers against "
+        "torchrec's DistributedModelParallel on W CPU ranks, --pairs alternating rounds",
+    )
+    ap.add_argument("--dmp-shards", type=int, default=2, help="the tier's shards in the --dmp table")
+    ap.add_argument("--dmp-plot", default="", help="--dmp: write the plot (samples/s against W) to this PNG")
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
     ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")
     ap.add_argument("--sweep-cache-mb", type=float, default=512, help="the tier's row cache in the sweep (MB)")

@@ -113,6 +113,8 @@ class RowReads:
         sp, held = self.space, self.cache.held
         if held is None or self._from_redis or not len(keys):
             return self.read_filled(keys)
+        if not held.capacity:  # a trainer that writes no shard: only the peer rows are held
+            return self._read_peers(keys)
         last = self._last_held_read
         if last is not None and last[0] == held.version and (last[1] is keys or np.array_equal(last[1], keys)):
             return last[2]  # a step's update reads the rows its stage read, unchanged since: no second gather
@@ -150,6 +152,31 @@ class RowReads:
             out[idx] = self.read_filled(keys[idx])
         elif peers is None:  # every row held or known never written: current until the held rows change
             self._last_held_read = (version, keys, out)
+        return out
+
+    def _read_peers(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of sorted packed keys where this trainer holds no shard's rows of its own: the peer
+        rows kept here, the lazy init of those known never written, the rest from their shards."""
+        peers = self.cache.peers
+        if peers is None or not peers.capacity:
+            return self.read_filled(keys)
+        sp = self.space
+        pos, rows, absent = peers.lookup_keys(keys)
+        if len(pos) == len(keys):
+            return rows
+        t0 = int(keys[0] >> rowkeys.ROW_BITS)
+        out = np.empty((len(keys), sp.width(t0)), np.float32)
+        out[pos] = rows
+        if len(absent):
+            dim = sp.tables.specs[t0].dim
+            out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
+            out[absent, dim:] = initial_state(sp.optimizer)
+        if len(pos) + len(absent) < len(keys):
+            rest = np.ones(len(keys), bool)
+            rest[pos] = False
+            rest[absent] = False
+            idx = np.flatnonzero(rest)
+            out[idx] = self.read_filled(keys[idx])
         return out
 
     @contextlib.contextmanager

@@ -196,6 +196,9 @@ def save_figures(
         # rank 0's row cache: slots, rows of the tables it caches, reads served, rows evicted, slots
         # added beyond the budget for an open window
         "row_cache": None if store is None else store.row_cache_stats(),
+        # several trainers, rank 0's: the rows of the shards other trainers write, kept current by
+        # each step's summed gradients (``RowCache.hold_peer_rows``); None: none kept
+        "peer_rows": None if store is None or store.peer_rows is None else store.peer_rows.stats(),
         # rank 0's listing of the rows on its shards when it last resumed (``embeddings.store.present``)
         "rows_listed_at_resume": None if store is None else store.present_stats(),
         "max_rss_mb": peak_rss_mb(),
