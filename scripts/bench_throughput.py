@@ -363,6 +363,8 @@ def main() -> None:
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
             preset_rounds(args, Path(tmp))
+    elif args.bytes:
+        print_bytes(args)
     elif args.dmp:
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="bench-dmp-") as tmp:
@@ -442,6 +444,31 @@ def dmp_rounds(args, tmp: Path) -> dict[int, dict]:
     return out
 
 
+def print_bytes(args) -> None:
+    """``--bytes 2,4,8,16,32,64``: the bytes a trainer sends (= receives) a step, on paper, for each W,
+    at global batches 1024 and ``--bytes-batch``, with the unique rows measured on the run's data
+    (``recsys.bench.dmp.bytes_per_step``)."""
+    from recsys.bench.dmp import bytes_per_step, unique_rows
+
+    cfg = RunConfig(
+        data=DataConfig(rows_per_table=args.rows_per_table), model=ModelConfig(embedding_dim=args.embedding_dim)
+    )
+    print(f"\ntables=26x{args.rows_per_table}x{args.embedding_dim}, synthetic Zipf data; KiB a trainer sends a step\n")
+    print(
+        "| global batch | W | unique rows, largest chunk | unique rows, step | all-gather (today) | "
+        "reduce-scatter + all-gather of the step's rows | torchrec DMP all-to-all |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for batch in dict.fromkeys([1024, args.bytes_batch]):
+        for w in [int(x) for x in args.bytes.split(",")]:
+            u_chunk, u_all = unique_rows(cfg, batch, w)
+            b = bytes_per_step(w, u_chunk, u_all, batch, 26, args.embedding_dim)
+            print(
+                f"| {batch} | {w} | {u_chunk:,.0f} | {u_all:,.0f} | {b['allgather'] / 1024:,.0f} | "
+                f"{b['reduce_scatter'] / 1024:,.0f} | {b['alltoall'] / 1024:,.0f} |"
+            )
+
+
 def print_dmp(args, got: dict[int, dict]) -> None:
     """The several-trainers table (tier against DMP on as many ranks, each round's ratio and the
     median) and its plot (``--dmp-plot``)."""
@@ -502,6 +529,12 @@ def parser() -> argparse.ArgumentParser:
         help="only the several-trainers table: comma-separated trainer counts W, the tier with W trainers against "
         "torchrec's DistributedModelParallel on W CPU ranks, --pairs alternating rounds",
     )
+    ap.add_argument(
+        "--bytes",
+        default="",
+        help="only the bytes-per-step table on paper: comma-separated trainer counts W (e.g. 2,4,8,16,32,64)",
+    )
+    ap.add_argument("--bytes-batch", type=int, default=65536, help="--bytes: the larger global batch of the table")
     ap.add_argument("--dmp-shards", type=int, default=2, help="the tier's shards in the --dmp table")
     ap.add_argument("--dmp-plot", default="", help="--dmp: write the plot (samples/s against W) to this PNG")
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")

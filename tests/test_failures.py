@@ -153,9 +153,12 @@ def test_a_shard_dying_during_a_phase_is_recovered_there_and_loses_nothing(tmp_p
     shard_records = [f for f in s["failures"] if f["strategy"] == "log"]
     target = int(flags[-1].split(":")[1].split("@")[0])
     assert any(f["target"] == target for f in shard_records), s["failures"]
-    if phase == "recovery":  # shard 2 died while shard 1 was restored; the retried phase recovered it
+    if phase == "recovery":  # shard 2 died while shard 1 was restored; recovered where a call first met it:
+        # the retried phase, or the next step's first read (the rows kept of other trainers' shards were
+        # forgotten with the restore and are read again)
         assert {f["target"] for f in shard_records} == {1, 2}
-        assert [f["step"] for f in shard_records] == [25, 25]
+        steps = [f["step"] for f in shard_records]
+        assert steps[0] == 25 and steps[1] in (25, 26), steps
     else:
         (f,) = [f for f in shard_records if f["target"] == target]
         assert f["phase"] == phase

@@ -120,3 +120,44 @@ def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int
             Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
+
+
+def unique_rows(cfg, global_batch: int, world_size: int, steps: int = 4) -> tuple[float, float]:
+    """Measured on the run's data (``cfg``'s synthetic stream): the mean over ``steps`` global
+    batches of (the most unique rows in one trainer's chunk, the unique rows of the global batch),
+    every table together."""
+    import numpy as np
+
+    from data.synthetic import SyntheticSource
+    from recsys.datasets import synthetic_config
+
+    source = SyntheticSource(synthetic_config(cfg), "train")
+    most, every = [], []
+    for i in range(steps):
+        sparse = np.asarray(source.read(i * global_batch, global_batch).sparse, np.int64)
+        keys = sparse + (np.arange(sparse.shape[1], dtype=np.int64) << 40)  # one key space per table
+        chunk = global_batch // world_size
+        most.append(max(len(np.unique(keys[r * chunk : (r + 1) * chunk])) for r in range(world_size)))
+        every.append(len(np.unique(keys)))
+    return float(np.mean(most)), float(np.mean(every))
+
+
+def bytes_per_step(w: int, u_chunk: float, u_all: float, batch: int, tables: int, dim: int) -> dict[str, float]:
+    """Bytes one trainer sends (= receives) in a step, on paper, for ``w`` trainers:
+
+    - ``allgather``: the tier today: every trainer's (key, gradient) rows all-gathered, padded to the
+      largest chunk's (gloo's ring: each trainer passes on the other ``w - 1`` parts);
+    - ``reduce_scatter``: the row gradients reduce-scattered to their shards' writers, then the
+      step's summed rows all-gathered (each trainer's part is its shards' share of the step's unique
+      rows): what a trainer needs to keep every row it holds current, and no more than the step's
+      unique rows however many trainers;
+    - ``alltoall``: torchrec's table-wise DMP: the ids of a chunk to the tables' owners, the pooled
+      embeddings back, their gradients out again (forward and backward all-to-alls).
+    """
+    row = 8 + 4 * dim  # a packed key and a float32 gradient row
+    chunk = batch / w
+    return {
+        "allgather": (w - 1) * u_chunk * row,
+        "reduce_scatter": (w - 1) / w * u_chunk * row + (w - 1) / w * u_all * row,
+        "alltoall": (w - 1) / w * (chunk * tables * 8 + 2 * chunk * tables * dim * 4),
+    }
