@@ -364,12 +364,21 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
             preset_rounds(args, Path(tmp))
     elif args.bytes:
+        from recsys.bench.dmp import print_bytes
+
         print_bytes(args)
     elif args.dmp:
+        from recsys.bench.dmp import dmp_rounds, print_dmp
+
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         with tempfile.TemporaryDirectory(prefix="bench-dmp-") as tmp:
             args.tmp = tmp
-            print_dmp(args, dmp_rounds(args, Path(tmp)))
+            runs = dmp_rounds(
+                args,
+                lambda w, i: config(args, Path(tmp) / f"dmp-tier-{w}-{i}", "redis", args.dmp_shards, False, w),
+                run,
+            )
+            print_dmp(args, runs)
     elif args.sweep:
         print_sweep(args)
     elif args.cache_sweep:
@@ -408,110 +417,6 @@ def print_guard(args) -> None:
     if args.record_guard:
         guard.record(now)
         print(f"guard: recorded in {guard.DOC.relative_to(guard.ROOT)}")
-
-
-def dmp_rounds(args, tmp: Path) -> dict[int, dict]:
-    """``--dmp 1,2,3``: for each trainer count W, ``max(--pairs, 1)`` rounds of torchrec's
-    ``DistributedModelParallel`` on W ranks (``recsys.bench.dmp``) and the tier with W trainers on
-    ``--dmp-shards`` shards (the run's defaults), back to back, alternating which goes first.
-    -> W -> {"dmp": [samples/s], "tier": [samples/s], "parts": the tier's last ``step_ms``, "dmp_ms": [...]}."""
-    from recsys.bench.dmp import dmp_samples_per_s
-
-    out: dict[int, dict] = {}
-    for w in [int(x) for x in args.dmp.split(",")]:
-        got: dict = {"dmp": [], "tier": [], "dmp_ms": [], "parts": {}}
-        batch = args.batch_size
-        args.batch_size = batch - batch % w  # a global batch that splits over W (1023 for 3 out of 1024)
-        got["batch"] = args.batch_size
-        for i in range(max(args.pairs, 1)):
-            cfg = config(args, tmp / f"dmp-tier-{w}-{i}", "redis", args.dmp_shards, False, w)
-            for kind in ("dmp", "tier") if i % 2 == 0 else ("tier", "dmp"):
-                if kind == "dmp":
-                    d = dmp_samples_per_s(cfg, w, args.steps)
-                    got["dmp"].append(d["samples_per_s"])
-                    got["dmp_ms"].append(d["step_ms"])
-                else:
-                    summary = run(cfg)
-                    got["tier"].append(tput(summary))
-                    got["parts"] = summary["step_ms"]
-            print(
-                f"W={w} round {i + 1}: tier {got['tier'][-1]:,.0f}, DMP {got['dmp'][-1]:,.0f} samples/s",
-                file=sys.stderr,
-                flush=True,
-            )
-        out[w] = got
-        args.batch_size = batch
-    return out
-
-
-def print_bytes(args) -> None:
-    """``--bytes 2,4,8,16,32,64``: the bytes a trainer sends (= receives) a step, on paper, for each W,
-    at global batches 1024 and ``--bytes-batch``, with the unique rows measured on the run's data
-    (``recsys.bench.dmp.bytes_per_step``)."""
-    from recsys.bench.dmp import bytes_per_step, unique_rows
-
-    cfg = RunConfig(
-        data=DataConfig(rows_per_table=args.rows_per_table), model=ModelConfig(embedding_dim=args.embedding_dim)
-    )
-    print(f"\ntables=26x{args.rows_per_table}x{args.embedding_dim}, synthetic Zipf data; KiB a trainer sends a step\n")
-    print(
-        "| global batch | W | unique rows, largest chunk | unique rows, step | all-gather (today) | "
-        "reduce-scatter + all-gather of the step's rows | torchrec DMP all-to-all |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for batch in dict.fromkeys([1024, args.bytes_batch]):
-        for w in [int(x) for x in args.bytes.split(",")]:
-            u_chunk, u_all = unique_rows(cfg, batch, w)
-            b = bytes_per_step(w, u_chunk, u_all, batch, 26, args.embedding_dim)
-            print(
-                f"| {batch} | {w} | {u_chunk:,.0f} | {u_all:,.0f} | {b['allgather'] / 1024:,.0f} | "
-                f"{b['reduce_scatter'] / 1024:,.0f} | {b['alltoall'] / 1024:,.0f} |"
-            )
-
-
-def print_dmp(args, got: dict[int, dict]) -> None:
-    """The several-trainers table (tier against DMP on as many ranks, each round's ratio and the
-    median) and its plot (``--dmp-plot``)."""
-    print(
-        f"\nsteps={args.steps} global batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
-        f"optimizer={args.optimizer} data={args.data} tier shards={args.dmp_shards}; DMP: 1 torch thread a rank, "
-        "table-wise on the fused kernel\n"
-    )
-    parts = ["quorum", "rows_in", "data", "compute", "rows_out", "waiting", "after"]
-    print(
-        "| W | global batch | tier samples/s per round | DMP samples/s per round | tier / DMP per round | median | "
-        "DMP step (ms) | tier " + " / ".join(parts) + " (ms/step) |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    medians = {}
-    for w, g in got.items():
-        ratios = [t / d for t, d in zip(g["tier"], g["dmp"])]
-        medians[w] = (float(np.median(g["tier"])), float(np.median(g["dmp"])), float(np.median(ratios)))
-        cells = " / ".join(str(g["parts"].get(k, "-")) for k in parts)
-        print(
-            f"| {w} | {g['batch']} | {', '.join(f'{x:,.0f}' for x in g['tier'])} | {', '.join(f'{x:,.0f}' for x in g['dmp'])} | "
-            f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "
-            f"{np.median(g['dmp_ms']):.1f} | {cells} |"
-        )
-    if args.dmp_plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        ws = sorted(medians)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(ws, [medians[w][0] for w in ws], "o-", label="the tier (W trainers)")
-        ax.plot(ws, [medians[w][1] for w in ws], "s--", label="torchrec DMP (W ranks)")
-        ax.set_xlabel("trainers / ranks (W)")
-        ax.set_ylabel("samples/s (median of rounds)")
-        ax.set_xticks(ws)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(args.dmp_plot)
-        print(f"\nplot: {args.dmp_plot}")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,17 +7,14 @@ the write path's counters. Each call goes to the part that does it (``RedisStore
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import numpy as np
-import torch
 
-from embeddings.optim import RowOptimizer
 from embeddings.store.markers import Markers
 from embeddings.store.outage import OutageRows
 from embeddings.store.present import PresentRows
 from embeddings.store.reads import RowReads
-from embeddings.store.row_cache import UNKNOWN, HeldRows, RowCache
+from embeddings.store.row_cache import HeldRows, RowCache
 from embeddings.store.row_space import RowSpace
 from embeddings.store.writes import RowWrites
 
@@ -27,9 +24,6 @@ class CacheFront:
 
     space: RowSpace
     cache: RowCache
-    optimizer: RowOptimizer
-    read_keys: Callable[[np.ndarray], np.ndarray]
-    from_redis: Callable[[], AbstractContextManager]
     present: PresentRows
     markers: Markers
     reads: RowReads
@@ -94,64 +88,6 @@ class CacheFront:
     def held_shard_rows(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
         """A copy of the rows held of ``shard``: (packed keys, rows [n, width])."""
         return self.cache.shard_rows(shard, self.space.width(0))
-
-    # -- the rows of the shards other trainers write (several trainers) ----------------------------
-    @property
-    def peer_rows(self) -> HeldRows | None:
-        """Rows of the other trainers' shards kept here (``RowCache.hold_peer_rows``); None: none."""
-        return self.cache.peers
-
-    def hold_peer_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
-        """Keep rows of ``shards`` (written by other trainers) here, current by every step's update."""
-        return self.cache.hold_peer_rows(shards, budget_bytes)
-
-    def drop_peer_rows(self) -> None:
-        """Every peer row forgotten (``RowCache.drop_peers``)."""
-        self.cache.drop_peers()
-
-    def learn_peer_rows(self, keys: np.ndarray, shards: np.ndarray) -> int:
-        """At a step's stage, on the training thread (every writer's write of the step before is on
-        its shard, and none of this step's has begun: they follow the step's row gradients, which
-        this trainer has not given yet): the rows of ``keys`` (sorted packed keys; ``shards``: the
-        shard of each) of peer shards that are neither held here nor known never written, read from
-        their shards and kept. -> rows read."""
-        peers = self.cache.peers
-        if peers is None or not peers.capacity or not len(keys):
-            return 0
-        theirs = np.isin(shards, list(peers.shards))
-        k = keys[theirs] if not theirs.all() else keys
-        if not len(k):
-            return 0
-        unknown = k[peers.state_of(k) == UNKNOWN]
-        if not len(unknown):
-            return 0
-        with self.from_redis():
-            rows = self.read_keys(unknown)
-        peers.put_keys(unknown, rows)
-        return len(unknown)
-
-    def update_peer_rows(self, keys: np.ndarray, grads, step: int) -> None:
-        """A completed step's update of peer rows (sorted packed keys of peer shards and their summed
-        row gradients): the row optimizer applied here to those held or known never written, as
-        their writer applied it (the same rows, gradients and step: the same bits); the others are
-        known written from now on."""
-        peers = self.cache.peers
-        if peers is None or not peers.capacity or not len(keys):
-            return
-        pos, rows, absent = peers.lookup_keys(keys)
-        if len(absent):
-            sel = np.sort(np.concatenate([pos, absent]))
-            current = np.empty((len(sel), rows.shape[1] if len(pos) else self.space.width(0)), np.float32)
-            where = np.searchsorted(sel, pos)
-            current[where] = rows
-            current[np.searchsorted(sel, absent)] = self.space.initial_rows(keys[absent])
-        else:
-            sel, current = pos, rows
-        if len(sel):
-            g = grads if len(sel) == len(keys) else grads[torch.from_numpy(sel)]
-            new = self.optimizer.apply(torch.from_numpy(current), g, step).numpy()
-            peers.put_keys(keys[sel], new, step)
-        peers.mark_updated(keys)
 
     def hold_written(
         self, keys: np.ndarray, rows: np.ndarray, shards: np.ndarray, step: int, pin: bool = False

@@ -28,6 +28,7 @@ import redis
 from embeddings.errors import ShardUnavailableError
 from embeddings.net.links import ConnectionOptions, ShardLinks
 from embeddings.optim import RowOptimizer
+from embeddings.peer_rows import PeerFront
 from embeddings.shard_map import ShardMap
 from embeddings.snapshots.keys import Snapshots
 from embeddings.store.base import IdsByTable, StoreBase
@@ -53,7 +54,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-class RedisStore(CacheFront, ShardUpkeep, StoreBase):
+class RedisStore(CacheFront, PeerFront, ShardUpkeep, StoreBase):
     """Rows of every table, sharded over Redis endpoints by a ``ShardMap``.
 
     ``urls`` are ``redis://`` or ``rediss://`` (TLS) URLs, optionally with ``user:password@``.
@@ -67,7 +68,8 @@ class RedisStore(CacheFront, ShardUpkeep, StoreBase):
     - ``links`` (``embeddings.net.links``): connections, reconnects, failover, the error mapping;
     - ``space`` (``embeddings.store.row_space``): key names, row widths, the lazy init;
     - ``cache`` (``embeddings.store.row_cache.RowCache``): the rows this trainer holds, and what a
-      restore leaves of them (front: ``embeddings.store.cache_front``);
+      restore leaves of them (front: ``embeddings.store.cache_front``); with several trainers also
+      the rows it keeps of the others' shards (front: ``embeddings.peer_rows``);
     - ``reads`` (``embeddings.store.reads``): the row reads (the rows of shards away from the outage
       recovery attaches, ``attach_outage``);
     - ``writes`` (``embeddings.store.writes``): a step's write, write-behind, rows laid by a restore;

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from embeddings.store.row_slots import (
     put_rows,
 )
 from embeddings.tables import TableSet
+
+if TYPE_CHECKING:
+    from embeddings.peer_rows import PeerRows
 
 PREFILL_ROWS = 1 << 18  # rows initialised at a time by a fresh run's prefill (``HeldRows._prefill``)
 PREFILL_MAX_ROWS = 1 << 23  # held tables of more rows are not prefilled (about 1 s per million rows)
@@ -323,21 +327,6 @@ class HeldRows(RowSlots):
             if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 
-    def forget_fresh(self) -> None:
-        """Nothing is known never written from now on (rows changed where this cache did not see it)."""
-        with self.lock:
-            self.version += 1
-            self._fresh = set()
-            self._written = None
-
-    def mark_updated(self, keys: np.ndarray) -> None:
-        """Rows a step updated, whether held here or not: none of them is never written any more."""
-        keys = np.asarray(keys, np.int64)
-        if self._written is None or not len(keys):
-            return
-        with self.lock:
-            self._mark_written(keys[self._held[keys >> rowkeys.ROW_BITS]])
-
     def begin_learning(self) -> int:
         """Before a resumed run lists the rows on its shards (``embeddings.store.present``): every
         row written from now on is marked. -> the generation the listing begins at."""
@@ -415,8 +404,8 @@ class RowCache:
         self.space, self.shard_map, self.num_shards = space, shard_map, num_shards
         self.held: HeldRows | None = None
         # several trainers: the rows of the shards other trainers write, as this trainer read them
-        # and kept current by every step's summed row gradients (``hold_peer_rows``); None: none
-        self.peers: HeldRows | None = None
+        # and kept current by every step's summed row gradients (``embeddings.peer_rows``); None: none
+        self.peers: PeerRows | None = None
         self.taken_over = False  # ``held`` is the cache of the trainer before in this process (``hold_rows``)
         self.reload_s = 0.0  # reading held rows back after their shard was restored (``reload_held``)
         self.reload_kept = self.reload_absent = self.reload_read = (
@@ -453,26 +442,6 @@ class RowCache:
             num_shards=self.num_shards,
         )
         return self.held
-
-    def hold_peer_rows(self, shards: set[int], budget_bytes: int) -> HeldRows:
-        """Keep rows of ``shards`` (the ones other trainers write) in memory, within ``budget_bytes``:
-        rows the training thread reads from their shards at a step's stage (``put_keys``, step None)
-        and every step's update of them, computed here from the step's summed row gradients as
-        their writer computes it (``put_keys``, the step). Nothing else adds to them: a read on
-        another thread may cross a writer's write. Cleared whole by anything that changes a shard
-        behind the steps (``drop_peers``)."""
-        sp = self.space
-        self.peers = HeldRows(
-            sp.tables,
-            [sp.width(t) for t in range(len(sp.tables.specs))],
-            shards,
-            budget_bytes,
-            owner_of=self.shard_map.shard_of,
-            init=sp.initial_rows,
-            owner_of_keys=self.shard_map.shard_of_keys,
-            num_shards=self.num_shards,
-        )
-        return self.peers
 
     def drop_peers(self) -> None:
         """Every peer row forgotten, and what was known never written with them: a recovery, a

@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 WARMUP = 10
 
@@ -126,8 +129,6 @@ def unique_rows(cfg, global_batch: int, world_size: int, steps: int = 4) -> tupl
     """Measured on the run's data (``cfg``'s synthetic stream): the mean over ``steps`` global
     batches of (the most unique rows in one trainer's chunk, the unique rows of the global batch),
     every table together."""
-    import numpy as np
-
     from data.synthetic import SyntheticSource
     from recsys.datasets import synthetic_config
 
@@ -161,3 +162,110 @@ def bytes_per_step(w: int, u_chunk: float, u_all: float, batch: int, tables: int
         "reduce_scatter": (w - 1) / w * u_chunk * row + (w - 1) / w * u_all * row,
         "alltoall": (w - 1) / w * (chunk * tables * 8 + 2 * chunk * tables * dim * 4),
     }
+
+
+def dmp_rounds(args, make_cfg, run_tier) -> dict[int, dict]:
+    """``--dmp 1,2,3``: for each trainer count W, ``max(--pairs, 1)`` rounds of torchrec's
+    ``DistributedModelParallel`` on W ranks (``recsys.bench.dmp``) and the tier with W trainers on
+    ``--dmp-shards`` shards (the run's defaults), back to back, alternating which goes first.
+    ``make_cfg(w, round)``: the tier's ``RunConfig`` at ``args.batch_size``; ``run_tier(cfg)``: its
+    run's summary. -> W -> {"dmp": [samples/s], "tier": [samples/s], "parts": the tier's last
+    ``step_ms``, "dmp_ms": [...], "batch": the global batch}."""
+
+    out: dict[int, dict] = {}
+    for w in [int(x) for x in args.dmp.split(",")]:
+        got: dict = {"dmp": [], "tier": [], "dmp_ms": [], "parts": {}}
+        batch = args.batch_size
+        args.batch_size = batch - batch % w  # a global batch that splits over W (1023 for 3 out of 1024)
+        got["batch"] = args.batch_size
+        for i in range(max(args.pairs, 1)):
+            cfg = make_cfg(w, i)
+            for kind in ("dmp", "tier") if i % 2 == 0 else ("tier", "dmp"):
+                if kind == "dmp":
+                    d = dmp_samples_per_s(cfg, w, args.steps)
+                    got["dmp"].append(d["samples_per_s"])
+                    got["dmp_ms"].append(d["step_ms"])
+                else:
+                    summary = run_tier(cfg)
+                    got["tier"].append(
+                        summary["throughput_after_warmup_samples_per_s"] or summary["throughput_samples_per_s"]
+                    )
+                    got["parts"] = summary["step_ms"]
+            print(
+                f"W={w} round {i + 1}: tier {got['tier'][-1]:,.0f}, DMP {got['dmp'][-1]:,.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        out[w] = got
+        args.batch_size = batch
+    return out
+
+
+def print_bytes(args) -> None:
+    """``--bytes 2,4,8,16,32,64``: the bytes a trainer sends (= receives) a step, on paper, for each W,
+    at global batches 1024 and ``--bytes-batch``, with the unique rows measured on the run's data
+    (``recsys.bench.dmp.bytes_per_step``)."""
+    from recsys.config import DataConfig, ModelConfig, RunConfig
+
+    cfg = RunConfig(
+        data=DataConfig(rows_per_table=args.rows_per_table), model=ModelConfig(embedding_dim=args.embedding_dim)
+    )
+    print(f"\ntables=26x{args.rows_per_table}x{args.embedding_dim}, synthetic Zipf data; KiB a trainer sends a step\n")
+    print(
+        "| global batch | W | unique rows, largest chunk | unique rows, step | all-gather (today) | "
+        "reduce-scatter + all-gather of the step's rows | torchrec DMP all-to-all |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for batch in dict.fromkeys([1024, args.bytes_batch]):
+        for w in [int(x) for x in args.bytes.split(",")]:
+            u_chunk, u_all = unique_rows(cfg, batch, w)
+            b = bytes_per_step(w, u_chunk, u_all, batch, 26, args.embedding_dim)
+            print(
+                f"| {batch} | {w} | {u_chunk:,.0f} | {u_all:,.0f} | {b['allgather'] / 1024:,.0f} | "
+                f"{b['reduce_scatter'] / 1024:,.0f} | {b['alltoall'] / 1024:,.0f} |"
+            )
+
+
+def print_dmp(args, got: dict[int, dict]) -> None:
+    """The several-trainers table (tier against DMP on as many ranks, each round's ratio and the
+    median) and its plot (``--dmp-plot``)."""
+    print(
+        f"\nsteps={args.steps} global batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
+        f"optimizer={args.optimizer} data={args.data} tier shards={args.dmp_shards}; DMP: 1 torch thread a rank, "
+        "table-wise on the fused kernel\n"
+    )
+    parts = ["quorum", "rows_in", "data", "compute", "rows_out", "waiting", "after"]
+    print(
+        "| W | global batch | tier samples/s per round | DMP samples/s per round | tier / DMP per round | median | "
+        "DMP step (ms) | tier " + " / ".join(parts) + " (ms/step) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    medians = {}
+    for w, g in got.items():
+        ratios = [t / d for t, d in zip(g["tier"], g["dmp"])]
+        medians[w] = (float(np.median(g["tier"])), float(np.median(g["dmp"])), float(np.median(ratios)))
+        cells = " / ".join(str(g["parts"].get(k, "-")) for k in parts)
+        print(
+            f"| {w} | {g['batch']} | {', '.join(f'{x:,.0f}' for x in g['tier'])} | {', '.join(f'{x:,.0f}' for x in g['dmp'])} | "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "
+            f"{np.median(g['dmp_ms']):.1f} | {cells} |"
+        )
+    if args.dmp_plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ws = sorted(medians)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(ws, [medians[w][0] for w in ws], "o-", label="the tier (W trainers)")
+        ax.plot(ws, [medians[w][1] for w in ws], "s--", label="torchrec DMP (W ranks)")
+        ax.set_xlabel("trainers / ranks (W)")
+        ax.set_ylabel("samples/s (median of rounds)")
+        ax.set_xticks(ws)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.dmp_plot)
+        print(f"\nplot: {args.dmp_plot}")
