@@ -17,6 +17,9 @@ seconds after training started, fired from a timer wherever the trainers are) or
                             step N (a disk that damaged a record the log already holds)
 - ``slow-restore:K:SECS``   the next restore of shard K takes SECS seconds longer (a large shard or a
                             slow network, in tests and benchmarks)
+- ``slow-trainer:R:F[@step=N]``  from step N (default 1) trainer R's compute takes F times as long (a
+                            sleep of F - 1 times its measured compute each step: the cores are not the
+                            cause); not a failure: it fires once and lasts to the run's end
 - ``corrupt-dense@step=N``  flip a byte of the per-step dense state (``dense_latest.pt``) in step N,
                             after the step's writes (pair it with ``trainer:0@step=N``: the restart
                             finds it damaged)
@@ -51,11 +54,12 @@ _PATTERNS = {
     "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
     "corrupt-dense": re.compile(r"corrupt-dense@step=(\d+)"),
     "slow-restore": re.compile(r"slow-restore:(\d+):(\d+(?:\.\d+)?)"),
+    "slow-trainer": re.compile(r"slow-trainer:(\d+):(\d+(?:\.\d+)?)(?:@step=(\d+))?"),
     "lighthouse": re.compile(r"lighthouse@(?:step=(\d+)|t=(\d+(?:\.\d+)?))"),
 }
 USAGE = (
     "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
-    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N, slow-restore:K:SECONDS or lighthouse@WHEN"
+    f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N, slow-restore:K:SECONDS, slow-trainer:R:FACTOR[@step=N] or lighthouse@WHEN"
 )
 
 
@@ -85,6 +89,8 @@ class Injection:
             return f"slow-restore:{self.target}:{self.seconds:g}"
         if self.kind == "lighthouse":
             return f"lighthouse@{self.when}"
+        if self.kind == "slow-trainer":
+            return f"slow-trainer:{self.target}:{self.seconds:g}@step={self.step}"
         tail = f":{self.seconds:g}" if self.kind == "stall" else ""
         return f"{self.kind}:{self.target}@{self.when}{tail}"
 
@@ -114,6 +120,11 @@ def parse_injection(spec: str) -> Injection:
             return Injection(kind, int(g[0]), None, float(g[1]))
         if kind == "lighthouse":
             return Injection(kind, None, int(g[0]) if g[0] else None, t=float(g[1]) if g[1] else None)
+        if kind == "slow-trainer":
+            factor, step = float(g[1]), int(g[2]) if g[2] else 1
+            if factor < 1 or step < 1:
+                raise InjectionSpecError(f"--inject {spec!r}: the factor must be >= 1 and the step >= 1")
+            return Injection(kind, int(g[0]), step, factor)
         target, step, t, during = int(g[0]), g[1], g[2], g[3]
         if during is not None and kind != "shard" and (kind, during) != ("trainer", "resume"):
             raise InjectionSpecError(
@@ -223,7 +234,7 @@ class Injector:
             timer.cancel()
 
     def _mine(self, inj: Injection) -> bool:
-        if inj.kind in ("trainer", "node"):
+        if inj.kind in ("trainer", "node", "slow-trainer"):
             return inj.target == self.index
         return self.rank == 0
 
@@ -269,6 +280,8 @@ class Injector:
             elif inj.kind == "corrupt-log":
                 if str(inj) not in self._fired:
                     self._corrupt(inj, lambda inj=inj: self._newest_segment(inj))
+            elif inj.kind == "slow-trainer":
+                continue  # ``slow_factor``: every step from its own
             elif inj.kind not in ("trainer", "corrupt-dense"):  # both fire mid-step
                 if settle is not None:
                     settle()
@@ -283,6 +296,18 @@ class Injector:
         for inj in self.injections:
             if inj.kind == "trainer" and inj.step == step and inj.t is None and self._mine(inj):
                 self._fire(inj)
+
+    def slow_factor(self, step: int) -> float:
+        """``slow-trainer:R:F@step=N`` on this trainer, from step N on: F (recorded as fired the first
+        time); 1.0 otherwise."""
+        factor = 1.0
+        for inj in self.injections:
+            if inj.kind == "slow-trainer" and inj.step is not None and step >= inj.step and self._mine(inj):
+                with self._lock:
+                    if str(inj) not in self._fired:
+                        self._record(inj, [])
+                factor *= inj.seconds
+        return factor
 
     def during(self, phase: str, exclude: int | None = None) -> None:
         for inj in self.injections:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 WARMUP_STEPS = 10  # steps before the step time is steady: throughput counts after them, the auto planner measures them
 
 
@@ -59,3 +61,57 @@ class StepClock:
             "runnable": round(runq, 2),
             "blocked": round(max(0.0, wall - cpu - runq), 2),
         }
+
+
+SLOW_RATIO = 1.5  # a trainer's compute a step over the others' median that counts as slow
+SLOW_RECORDS = 3  # in this many log records in a row: persistently slow, named once
+
+
+class TrainerSpeeds:
+    """Each trainer's compute a step (forward and backward of its chunks, an injected slowdown
+    included), summed since the last log record. At each record every trainer gives its mean
+    (``exchange``, a collective): the record's ``trainer_compute_ms``, by trainer index. A trainer
+    slower than ``SLOW_RATIO`` times the median of the others in ``SLOW_RECORDS`` records in a row is
+    named once (one line, and ``slow`` for the summary)."""
+
+    def __init__(self) -> None:
+        self._s = 0.0
+        self._n = 0
+        self._streak: dict[int, int] = {}
+        self.slow: list[dict] = []
+
+    def add(self, seconds: float) -> None:
+        self._s += seconds
+        self._n += 1
+
+    def exchange(self, group, index: int, step: int, warn) -> dict[str, float]:
+        """This trainer's mean since the last call, everyone's by index (``group.sum_floats``)."""
+        mine = 1000 * self._s / max(1, self._n)
+        self._s, self._n = 0.0, 0
+        vec = np.zeros(2 * group.world_size)
+        vec[2 * group.rank : 2 * group.rank + 2] = (mine, index)
+        got = group.sum_floats(vec).reshape(-1, 2)
+        ms = {int(i): float(m) for m, i in got}
+        self._judge(ms, step, warn)
+        return {str(i): round(m, 2) for i, m in sorted(ms.items())}
+
+    def _judge(self, ms: dict[int, float], step: int, warn) -> None:
+        named = {r["trainer"] for r in self.slow}
+        for i, m in ms.items():
+            others = [v for j, v in ms.items() if j != i]
+            if not others or m <= SLOW_RATIO * float(np.median(others)):
+                self._streak[i] = 0
+                continue
+            self._streak[i] = self._streak.get(i, 0) + 1
+            if self._streak[i] >= SLOW_RECORDS and i not in named:
+                rec = {
+                    "trainer": i,
+                    "step": step,
+                    "compute_ms": round(m, 2),
+                    "others_ms": round(float(np.median(others)), 2),
+                }
+                self.slow.append(rec)
+                warn(
+                    f"trainer {i} is slow: its compute takes {m:.1f} ms a step against {rec['others_ms']:.1f} ms for the "
+                    f"others ({m / rec['others_ms']:.1f}x, {SLOW_RECORDS} log records in a row to step {step})"
+                )

@@ -40,7 +40,7 @@ from recovery.factory import build_recovery
 from recovery.protocol import CONTINUE, Outcome
 from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
-from recsys.clock import WARMUP_STEPS, StepClock
+from recsys.clock import WARMUP_STEPS, StepClock, TrainerSpeeds
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
@@ -195,6 +195,7 @@ class Trainer:
         self._resumed_from: tuple[float, float] | None = None  # (elapsed_s, saved_at) of the state resumed from
         self._before = 0.0  # the run's wall time before this process trained (``elapsed_before``)
         self.clock = StepClock()
+        self.speed = TrainerSpeeds()  # each trainer's compute a step, and the trainers found slow
 
     # -- run state ----------------------------------------------------------------------------
     def state_dict(self, step: int | None = None) -> dict:
@@ -367,7 +368,12 @@ class Trainer:
             return out, None, None
         nxt = next(self.reader) if step < self.steps else None
         clock.lap("data")
+        t_compute = time.perf_counter()
         loss = self.forward_backward(batch, nxt)
+        slow = self.injector.slow_factor(step) if self.injector is not None else 1.0
+        if slow > 1.0:  # --inject slow-trainer: this trainer's compute takes ``slow`` times as long
+            time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
+        self.speed.add(time.perf_counter() - t_compute)
         clock.lap("compute")
         out = self.commit_sparse(step)
         clock.lap("rows_out")
@@ -480,6 +486,9 @@ class Trainer:
                 "samples": step * self.batch_size,
                 "elapsed_s": round(self.elapsed(), 3),
             }
+            if not self.group.solo:  # each trainer's compute a step since the last record (a collective)
+                index = self.epoch.index if self.epoch is not None else self.rank
+                record["trainer_compute_ms"] = self.speed.exchange(self.group, index, step, self.warn_slow)
             if eval_now:
                 out, res = self.evaluate(step)
                 if out.rolled_back:
@@ -488,6 +497,10 @@ class Trainer:
                 record.update(res)
             self.out.log(record)
         return out
+
+    def warn_slow(self, line: str) -> None:
+        if self.rank == 0:
+            tqdm.write(line, file=sys.stderr)
 
     # -- phases besides the step ----------------------------------------------------------------
     def checkpoint(self, step: int) -> Outcome:
@@ -735,6 +748,8 @@ class Trainer:
             dense_save_seconds=self.dense_saver.seconds,
             backend_stats=self.backend.stats(),
         )
+        if not self.group.solo or self.speed.slow:
+            summary["slow_trainers"] = self.speed.slow  # named while training (``TrainerSpeeds``)
         if kept is not None:
             summary["final_model"] = kept
         if self.init_stats is not None:
