@@ -382,7 +382,7 @@ def add_train_arguments(tr: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="inject a failure (repeatable): shard:K@WHEN | stall:K@WHEN:SECONDS | trainer:R@WHEN | node:R@WHEN | "
         "corrupt-checkpoint:latest[@step=N] | corrupt-log:K@step=N | corrupt-dense@step=N | slow-restore:K:SECONDS (the next restore of shard K takes that "
-        "much longer); WHEN is step=N, t=SECONDS (after training started) or, for shard "
+        "much longer) | slow-trainer:R:FACTOR[@step=N] (from step N trainer R's compute takes FACTOR times as long); WHEN is step=N, t=SECONDS (after training started) or, for shard "
         "kills, during=checkpoint|eval|recovery|resume",
     )
     add_switches(tr)
