@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 WARMUP_STEPS = 10  # steps before the step time is steady: throughput counts after them, the auto planner measures them
 
@@ -84,15 +86,16 @@ class TrainerSpeeds:
         self._s += seconds
         self._n += 1
 
-    def exchange(self, group, index: int, step: int, warn) -> dict[str, float]:
-        """This trainer's mean since the last call, everyone's by index (``group.sum_floats``)."""
+    def exchange(self, group, index: int, step: int, says: bool) -> dict[str, float]:
+        """This trainer's mean since the last call, everyone's by index (``group.sum_floats``); a
+        trainer found slow is named on the terminal where ``says`` (rank 0)."""
         mine = 1000 * self._s / max(1, self._n)
         self._s, self._n = 0.0, 0
         vec = np.zeros(2 * group.world_size)
         vec[2 * group.rank : 2 * group.rank + 2] = (mine, index)
         got = group.sum_floats(vec).reshape(-1, 2)
         ms = {int(i): float(m) for m, i in got}
-        self._judge(ms, step, warn)
+        self._judge(ms, step, (lambda line: tqdm.write(line, file=sys.stderr)) if says else (lambda line: None))
         return {str(i): round(m, 2) for i, m in sorted(ms.items())}
 
     def _judge(self, ms: dict[int, float], step: int, warn) -> None:

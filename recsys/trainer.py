@@ -488,7 +488,7 @@ class Trainer:
             }
             if not self.group.solo:  # each trainer's compute a step since the last record (a collective)
                 index = self.epoch.index if self.epoch is not None else self.rank
-                record["trainer_compute_ms"] = self.speed.exchange(self.group, index, step, self.warn_slow)
+                record["trainer_compute_ms"] = self.speed.exchange(self.group, index, step, self.rank == 0)
             if eval_now:
                 out, res = self.evaluate(step)
                 if out.rolled_back:
@@ -497,10 +497,6 @@ class Trainer:
                 record.update(res)
             self.out.log(record)
         return out
-
-    def warn_slow(self, line: str) -> None:
-        if self.rank == 0:
-            tqdm.write(line, file=sys.stderr)
 
     # -- phases besides the step ----------------------------------------------------------------
     def checkpoint(self, step: int) -> Outcome:
@@ -748,8 +744,7 @@ class Trainer:
             dense_save_seconds=self.dense_saver.seconds,
             backend_stats=self.backend.stats(),
         )
-        if not self.group.solo or self.speed.slow:
-            summary["slow_trainers"] = self.speed.slow  # named while training (``TrainerSpeeds``)
+        summary.update({} if self.group.solo else {"slow_trainers": self.speed.slow})  # named while training
         if kept is not None:
             summary["final_model"] = kept
         if self.init_stats is not None:
