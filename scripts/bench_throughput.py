@@ -48,7 +48,8 @@ project's loop under the preset (DCN-v2, multi-hot bags), ``--pairs`` alternatin
 shards, the run's defaults) against torchrec's ``DistributedModelParallel`` on W CPU ranks
 (``recsys.bench.dmp``: gloo, table-wise on the fused kernel, one torch thread a rank), same model,
 data and global batch, ``--pairs`` alternating rounds; each round's ratio, the medians, the tier's
-``step_ms`` parts, and a plot (``--dmp-plot``).
+``step_ms`` parts, and a plot (``--dmp-plot``); with W = 1 each round also times torchrec's fused
+engine in the plain loop (the one-trainer reference).
 
 ``--cache-sweep 100,25,10,2``: only the row cache sweep: each budget (percent of the tables' bytes)
 against the tier's samples/s, hit rate and peak RSS (each run its own ``recsys train`` process,
@@ -377,6 +378,7 @@ def main() -> None:
                 args,
                 lambda w, i: config(args, Path(tmp) / f"dmp-tier-{w}-{i}", "redis", args.dmp_shards, False, w),
                 run,
+                lambda: fused_samples_per_s(args),
             )
             print_dmp(args, runs)
     elif args.sweep:

@@ -140,19 +140,27 @@ class RowReads:
             out[idx[ppos]] = prows
             pos = np.concatenate([pos, idx[ppos]])
             absent = np.concatenate([absent, idx[pabsent]])
-        if len(absent):
-            dim = sp.tables.specs[t0].dim
-            out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
-            out[absent, dim:] = initial_state(sp.optimizer)
-        if len(pos) + len(absent) < len(keys):
-            rest = np.ones(len(keys), bool)
-            rest[pos] = False
-            rest[absent] = False
-            idx = np.flatnonzero(rest)
-            out[idx] = self.read_filled(keys[idx])
-        elif peers is None:  # every row held or known never written: current until the held rows change
+        if not self._fill_rest(keys, out, pos, absent) and peers is None:
+            # every row held or known never written: current until the held rows change
             self._last_held_read = (version, keys, out)
         return out
+
+    def _fill_rest(self, keys: np.ndarray, out: np.ndarray, pos: np.ndarray, absent: np.ndarray) -> bool:
+        """``out`` [n, width] already holds the rows at ``pos``: the rows known never written
+        (``absent``) by the lazy init, the rest read from their shards. -> whether any was read."""
+        sp = self.space
+        if len(absent):
+            dim = sp.tables.specs[int(keys[0] >> rowkeys.ROW_BITS)].dim
+            out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
+            out[absent, dim:] = initial_state(sp.optimizer)
+        if len(pos) + len(absent) == len(keys):
+            return False
+        rest = np.ones(len(keys), bool)
+        rest[pos] = False
+        rest[absent] = False
+        idx = np.flatnonzero(rest)
+        out[idx] = self.read_filled(keys[idx])
+        return True
 
     def _read_peers(self, keys: np.ndarray) -> np.ndarray:
         """Rows of sorted packed keys where this trainer holds no shard's rows of its own: the peer
@@ -160,23 +168,12 @@ class RowReads:
         peers = self.cache.peers
         if peers is None or not peers.capacity:
             return self.read_filled(keys)
-        sp = self.space
         pos, rows, absent = peers.lookup_keys(keys)
         if len(pos) == len(keys):
             return rows
-        t0 = int(keys[0] >> rowkeys.ROW_BITS)
-        out = np.empty((len(keys), sp.width(t0)), np.float32)
+        out = np.empty((len(keys), self.space.width(int(keys[0] >> rowkeys.ROW_BITS))), np.float32)
         out[pos] = rows
-        if len(absent):
-            dim = sp.tables.specs[t0].dim
-            out[absent, :dim] = init_rows_keys(sp.seed, keys[absent], dim, self._scales)
-            out[absent, dim:] = initial_state(sp.optimizer)
-        if len(pos) + len(absent) < len(keys):
-            rest = np.ones(len(keys), bool)
-            rest[pos] = False
-            rest[absent] = False
-            idx = np.flatnonzero(rest)
-            out[idx] = self.read_filled(keys[idx])
+        self._fill_rest(keys, out, pos, absent)
         return out
 
     @contextlib.contextmanager

@@ -507,26 +507,18 @@ class RowCache:
         if self.taken_over:  # a fresh run's shards hold none of the rows the last trainer held
             held.restores.clear()
             self.taken_over = False
-        fresh = set()
-        for s in sorted(held.shards):
-            try:
-                if applied_step(s) is None:
-                    fresh.add(s)
-            except ShardUnavailableError:
+        for cache in (held, self.peers):  # its own shards, and the other trainers' (several trainers)
+            if cache is None:
                 continue
-        if fresh:
-            held.assume_fresh(fresh)
-        peers = self.peers
-        if peers is not None:  # the other trainers' shards, alike
             fresh = set()
-            for s in sorted(peers.shards):
+            for s in sorted(cache.shards):
                 try:
                     if applied_step(s) is None:
                         fresh.add(s)
                 except ShardUnavailableError:
                     continue
             if fresh:
-                peers.assume_fresh(fresh)
+                cache.assume_fresh(fresh)
 
     def reload_held(
         self,

@@ -164,24 +164,28 @@ def bytes_per_step(w: int, u_chunk: float, u_all: float, batch: int, tables: int
     }
 
 
-def dmp_rounds(args, make_cfg, run_tier) -> dict[int, dict]:
+def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
     """``--dmp 1,2,3``: for each trainer count W, ``max(--pairs, 1)`` rounds of torchrec's
     ``DistributedModelParallel`` on W ranks (``recsys.bench.dmp``) and the tier with W trainers on
     ``--dmp-shards`` shards (the run's defaults), back to back, alternating which goes first.
     ``make_cfg(w, round)``: the tier's ``RunConfig`` at ``args.batch_size``; ``run_tier(cfg)``: its
-    run's summary. -> W -> {"dmp": [samples/s], "tier": [samples/s], "parts": the tier's last
-    ``step_ms``, "dmp_ms": [...], "batch": the global batch}."""
+    run's summary; ``fused()``: torchrec's fused engine in one process (samples/s), measured in
+    each round of W = 1 too. -> W -> {"dmp": [samples/s], "tier": [samples/s], "fused": [samples/s]
+    (W = 1), "parts": the tier's last ``step_ms``, "dmp_ms": [...], "batch": the global batch}."""
 
     out: dict[int, dict] = {}
     for w in [int(x) for x in args.dmp.split(",")]:
-        got: dict = {"dmp": [], "tier": [], "dmp_ms": [], "parts": {}}
+        got: dict = {"dmp": [], "tier": [], "fused": [], "dmp_ms": [], "parts": {}}
         batch = args.batch_size
         args.batch_size = batch - batch % w  # a global batch that splits over W (1023 for 3 out of 1024)
         got["batch"] = args.batch_size
         for i in range(max(args.pairs, 1)):
             cfg = make_cfg(w, i)
-            for kind in ("dmp", "tier") if i % 2 == 0 else ("tier", "dmp"):
-                if kind == "dmp":
+            kinds = ("dmp", "tier") + (("fused",) if w == 1 and fused is not None else ())
+            for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                if kind == "fused":
+                    got["fused"].append(fused())
+                elif kind == "dmp":
                     d = dmp_samples_per_s(cfg, w, args.steps)
                     got["dmp"].append(d["samples_per_s"])
                     got["dmp_ms"].append(d["step_ms"])
@@ -249,6 +253,14 @@ def print_dmp(args, got: dict[int, dict]) -> None:
             f"| {w} | {g['batch']} | {', '.join(f'{x:,.0f}' for x in g['tier'])} | {', '.join(f'{x:,.0f}' for x in g['dmp'])} | "
             f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "
             f"{np.median(g['dmp_ms']):.1f} | {cells} |"
+        )
+    one = got.get(1, {})
+    if one.get("fused"):
+        ratios = [t / f for t, f in zip(one["tier"], one["fused"])]
+        print(
+            f"\n1 trainer against torchrec's fused engine (one process, plain loop), the same rounds: fused "
+            f"{', '.join(f'{x:,.0f}' for x in one['fused'])} samples/s; tier / fused "
+            f"{', '.join(f'{x:.2f}' for x in ratios)}, median **{float(np.median(ratios)):.2f}x**"
         )
     if args.dmp_plot:
         import matplotlib
