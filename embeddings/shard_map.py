@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from data.hashing import keyed_hash, keyed_hash_many
+from data.hashing import GOLDEN, keyed_hash, mix64
 from embeddings import rowkeys
 from embeddings.tables import TableSet
 
@@ -53,6 +53,11 @@ class ShardMap:
             raise ValueError(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         sizes = [t.num_rows * t.dim for t in self.tables]
         object.__setattr__(self, "_table_owner", place_tables(sizes, self.num_shards))
+        # each table's hash seed (``data.hashing.keyed_hash_many``'s), looked up per key: a step's keys
+        # are hashed without a sort of their tables
+        with np.errstate(over="ignore"):
+            seeds = mix64((np.arange(len(self.tables), dtype=np.uint64) + np.uint64(1)) * GOLDEN)
+        object.__setattr__(self, "_table_seed", seeds)
 
     def shard_of(self, table_index: int, ids: np.ndarray) -> np.ndarray:
         """Shard index per row id; [n] int64."""
@@ -67,7 +72,8 @@ class ShardMap:
         tables, ids = rowkeys.unpack(np.asarray(keys, np.int64))
         if self.placement == "table":
             return np.asarray(self._table_owner, np.int64)[tables]
-        return (keyed_hash_many(tables, ids) % np.uint64(self.num_shards)).astype(np.int64)
+        hashed = mix64(ids.astype(np.uint64) ^ self._table_seed[tables])
+        return (hashed % np.uint64(self.num_shards)).astype(np.int64)
 
     def split(self, table_index: int, ids: np.ndarray) -> list[np.ndarray]:
         """Positions into ``ids`` per shard: ``out[s]`` indexes the ids that live on shard s."""

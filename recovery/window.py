@@ -29,7 +29,6 @@ class Window:
         self.every = every
         self.held = held
         self._keys: list[np.ndarray] = []  # per step: the keys it updated first in the window
-        self._seen = np.zeros(0, np.int64)  # every key the window updated, sorted
         self._undo: list[np.ndarray] = []  # their rows before the window
         self.updates: list[tuple[object, int]] = []  # (update, step) of each step in the window
 
@@ -43,19 +42,16 @@ class Window:
         return closes_window(step, self.every)
 
     def add(self, update, step: int, keys: np.ndarray, before: np.ndarray) -> None:
-        """Step ``step`` updated ``keys`` (sorted packed keys), whose rows were ``before``; their new
-        rows are pinned in the held rows (``RowWrites.hold_written(pin=True)``) until ``take``."""
-        # membership by binary search in the sorted keys so far, and a merge: a window step costs
-        # its own keys, not a sort of the whole window's (which needs them sorted and unique)
-        if len(keys) > 1 and not (keys[1:] > keys[:-1]).all():
-            raise ValueError(f"step {step}: a window's keys must be sorted and unique")
-        at = np.searchsorted(self._seen, keys)
-        fresh = self._seen[np.minimum(at, len(self._seen) - 1)] != keys if len(self._seen) else np.ones(len(keys), bool)
+        """Step ``step`` updates ``keys`` (sorted packed keys), whose rows were ``before``; called
+        before their new rows are pinned in the held rows (``RowWrites.hold_written(pin=True)``),
+        where they stay until ``take``."""
+        # a key already in the window is pinned: one look-up of the step's own keys, no search of
+        # the window's
+        fresh = ~self.held.pinned(keys)
         if fresh.all():  # kept over steps: a copy, whatever the caller does with its array later
             before = before.copy()
         else:
-            keys, before, at = keys[fresh], before[fresh], at[fresh]
-        self._seen = np.insert(self._seen, at, keys)
+            keys, before = keys[fresh], before[fresh]
         self._keys.append(keys)
         self._undo.append(before)
         self.updates.append((update, step))
@@ -68,6 +64,10 @@ class Window:
         undo = np.concatenate(self._undo)
         order = np.argsort(keys, kind="stable")
         keys, undo = keys[order], undo[order]
+        first = np.ones(len(keys), bool)  # each key once, with its value before the window (its first step's)
+        first[1:] = keys[1:] != keys[:-1]
+        if not first.all():  # only where the held rows were let go with the window open
+            keys, undo = keys[first], undo[first]
         rows = self.held.copy_rows(keys)
         if rows is None:
             raise RuntimeError("a write-behind window's rows are no longer held")
@@ -84,4 +84,3 @@ class Window:
 
     def _reset(self) -> None:
         self._keys, self._undo, self.updates = [], [], []
-        self._seen = np.zeros(0, np.int64)

@@ -164,8 +164,8 @@ class SparseWriter:
                     self._logged(s, step)
                     log.append_keys(step, keys, new, shards)
         if self.window is not None:  # held now, written when the window closes
+            self.window.add(owned, step, keys, current)  # before the rows are pinned: it finds the new ones by that
             self.store.hold_written(keys, new, shards, step, pin=True)
-            self.window.add(owned, step, keys, current)
             if self.window.closes_at(step):
                 self.write_window(before)
             return

@@ -246,7 +246,8 @@ class TrainerGroup:
             summed.index_add_(0, inverse, g)
             if self.num_chunks > 1:
                 summed /= self.num_chunks
-        keys_all = uniq.numpy()
+        # one forward's keys as the stage looked them up: the row cache finds the write's slots by them
+        keys_all = keys if uniq is k and self.solo else uniq.numpy()
         shards = shard_map.shard_of_keys(keys_all)
         if self.solo:
             return StepUpdate(keys_all, summed, shards, keys_all, shards, summed)

@@ -599,8 +599,10 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 at += n
 
     def _joined(self, keys: list, grads: list) -> tuple[np.ndarray, torch.Tensor]:
-        g = torch.cat(grads)
-        return np.concatenate(keys), g if self._on_host else g.cpu()
+        # one forward of one leaf (the usual step): its keys as they are, the object the stage's
+        # read looked up (the row cache finds a step's write by its read's keys), no copy
+        g = grads[0] if len(grads) == 1 else torch.cat(grads)
+        return keys[0] if len(keys) == 1 else np.concatenate(keys), g if self._on_host else g.cpu()
 
     def pop_key_grads(self) -> tuple[np.ndarray, torch.Tensor]:
         """Per-row gradients of the forwards since the last pop, then forgotten: (packed keys [n],

@@ -88,6 +88,7 @@ class HeldRows(RowSlots):
         self._owner_of_keys = owner_of_keys
         self.width = widths[0]
         self._held = np.array([w == self.width for w in widths], bool)
+        self._every_table = bool(self._held.all())
         num_rows = np.array([spec.num_rows for spec in tables.specs], np.int64)
         self.table_rows = int(num_rows[self._held].sum())
         # per held table, where its rows start in the one-bit-per-row map of a fresh run's writes
@@ -219,9 +220,8 @@ class HeldRows(RowSlots):
         a write outside the steps, whose step no restore can be compared with). ``pin``: rows not on
         their shard yet (an open window's): they stay until ``unpin``."""
         keys = np.asarray(keys, np.int64)
-        if self.capacity:
-            tables = keys >> rowkeys.ROW_BITS
-            mine = self._held[tables]
+        if self.capacity and not self._every_table:
+            mine = self._held[keys >> rowkeys.ROW_BITS]
             if not mine.all():
                 keys, rows = keys[mine], rows[mine]
         if not self.capacity or not len(keys):

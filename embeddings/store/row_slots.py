@@ -161,6 +161,12 @@ class RowSlots:
         self._memo = (keys, slots, self.evicted)
         return slots
 
+    def pinned(self, keys: np.ndarray) -> np.ndarray:
+        """Whether each packed key is held pinned (an open window's: ``put_keys(pin=True)``)."""
+        with self.lock:
+            slots = self.find(np.asarray(keys, np.int64))
+            return (slots >= 0) & self._pinned[np.maximum(slots, 0)]
+
     def _flat(self, keys: np.ndarray) -> np.ndarray:
         """Each key's position among the held tables' rows: ``base[table] + id``, as key + offset."""
         return keys + self._key_offset[keys >> rowkeys.ROW_BITS]
