@@ -64,10 +64,7 @@ class RowReads:
             if got is not None and (len(got[0]) or len(got[2])):
                 out[t][0][got[0]] = got[1]
                 out[t][1][got[2]] = True  # never written: the lazy init fills it
-                rest = np.ones(len(ids), bool)
-                rest[got[0]] = False
-                rest[got[2]] = False
-                idx = np.flatnonzero(rest)
+                idx = _unfound(len(ids), got[0], got[2])
             if idx is not None and not len(idx):
                 continue  # every row held (or known never written): nothing to read
             for s, pos in enumerate(self.shard_map.split(t, ids if idx is None else ids[idx])):
@@ -132,10 +129,7 @@ class RowReads:
         out[pos] = rows
         peers = self.cache.peers
         if peers is not None and peers.capacity:  # rows of the other trainers' shards kept here
-            rest = np.ones(len(keys), bool)
-            rest[pos] = False
-            rest[absent] = False
-            idx = np.flatnonzero(rest)
+            idx = _unfound(len(keys), pos, absent)
             ppos, prows, pabsent = peers.lookup_keys(keys[idx])
             out[idx[ppos]] = prows
             pos = np.concatenate([pos, idx[ppos]])
@@ -155,10 +149,7 @@ class RowReads:
             out[absent, dim:] = initial_state(sp.optimizer)
         if len(pos) + len(absent) == len(keys):
             return False
-        rest = np.ones(len(keys), bool)
-        rest[pos] = False
-        rest[absent] = False
-        idx = np.flatnonzero(rest)
+        idx = _unfound(len(keys), pos, absent)
         out[idx] = self.read_filled(keys[idx])
         return True
 
@@ -185,3 +176,11 @@ class RowReads:
             yield
         finally:
             self._from_redis -= 1
+
+
+def _unfound(n: int, pos: np.ndarray, absent: np.ndarray) -> np.ndarray:
+    """The positions of ``n`` keys neither at ``pos`` (rows found) nor at ``absent`` (known never written)."""
+    rest = np.ones(n, bool)
+    rest[pos] = False
+    rest[absent] = False
+    return np.flatnonzero(rest)
