@@ -32,12 +32,20 @@ class PeerRows(HeldRows):
     """A ``HeldRows`` of the shards other trainers write (its ``shards``): what it holds and knows
     never written changes only by ``learn``, ``update`` and ``RowCache.drop_peers``."""
 
+    complete = False
+    """Every row of its shards is kept or known never written (a fresh run's start, ``PeerFront.complete_peer_rows``)."""
+
     def forget_fresh(self) -> None:
         """Nothing is known never written from now on (rows changed where this cache did not see it)."""
         with self.lock:
             self.version += 1
             self._fresh = set()
             self._written = None
+            self.complete = False
+
+    def assume_fresh(self, shards: set[int]) -> None:
+        super().assume_fresh(shards)
+        self.complete = set(shards) >= self.shards
 
     def mark_updated(self, keys: np.ndarray) -> None:
         """Rows a step updated, whether held here or not: none of them is never written any more."""
@@ -99,6 +107,28 @@ class PeerFront:
             rows = self.read_keys(unknown)
         peers.put_keys(unknown, rows)
         return len(unknown)
+
+    def complete_peer_rows(self, block: int = 1 << 16) -> int:
+        """Several trainers writing in windows (``recovery.writer``): every row of the peer shards
+        that is neither kept here nor known never written, read from its shard now and kept, a block
+        at a time. Where the shards changed behind the steps (a restore, a rollback, a resume), at a
+        point where every trainer's window is on its shards: a row read later could come from a shard
+        whose writer holds it newer in a window still open. -> rows read."""
+        peers = self.cache.peers
+        if peers is None or peers.complete or not peers.capacity:
+            return 0
+        specs, theirs, read = self.space.tables.specs, list(peers.shards), 0
+        for t, spec in enumerate(specs):
+            for lo in range(0, spec.num_rows, block):
+                keys = rowkeys.pack(t, np.arange(lo, min(lo + block, spec.num_rows), dtype=np.int64))
+                keys = keys[np.isin(self.cache.shard_map.shard_of_keys(keys), theirs)]
+                unknown = keys[peers.state_of(keys) == UNKNOWN] if len(keys) else keys
+                if len(unknown):
+                    with self.from_redis():
+                        peers.put_keys(unknown, self.read_keys(unknown))
+                    read += len(unknown)
+        peers.complete = True
+        return read
 
     def update_peer_rows(self, keys: np.ndarray, grads: torch.Tensor, step: int) -> None:
         """A committed step's update of peer rows (sorted packed keys of peer shards, their summed

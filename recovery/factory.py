@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from embeddings import RedisStore
 from embeddings.servers.launcher import ShardSpec
 from recovery.durable import layout
@@ -76,6 +78,7 @@ def build_recovery(
             store.namespace,
             rc.max_abandoned_checkpoints,
         )
+    behind = cfg.embeddings.write_behind and writes_behind(cfg, store, collective, mine)
     manager = RecoveryManager(
         priority=priority,
         flusher=flusher,
@@ -93,7 +96,8 @@ def build_recovery(
         log_dir=log_dir,
         restart_timeout_s=rc.shard_restart_timeout,
         replica_wait=cfg.embeddings.replica_wait,
-        write_behind=cfg.embeddings.write_behind and world == 1 and store.row_cache is not None,
+        write_behind=behind,
+        lockstep=world > 1 and behind,
         write_every=cfg.window_steps,
         committer_of=committer_of,
         train_through=rc.train_through,
@@ -104,6 +108,26 @@ def build_recovery(
     if trainer_index is not None and cfg.train.dense_reduce == "allreduce":  # a dead trainer's chunk waits for it
         manager.journal.chunk_skipped = cfg.train.batch_size // (cfg.train.chunks or cfg.train.trainers)
     return RecoveryParts(manager, ckpt, injector)
+
+
+def writes_behind(cfg: RunConfig, store: RedisStore, collective: Collective, mine: set[int]) -> bool:
+    """Whether the trainers write behind. One trainer: where it holds rows. Several: only in windows
+    (``--write-every`` > 1), without ``--prefetch``, and where every trainer holds its own shards'
+    rows and every row of the others' (peer rows, ``embeddings.peer_rows``): no step reads another
+    trainer's shard, so a window still open elsewhere is never read behind its writer's back. The
+    trainers agree (one collective): their windows close together (``CommitPoints.commit_behind``)."""
+    held = store.row_cache
+    if collective.world_size == 1:
+        return held is not None
+    peers = store.peer_rows
+    ok = (
+        cfg.window_steps > 1
+        and not cfg.embeddings.prefetch
+        and (not mine or (held is not None and held.holds_all()))
+        and peers is not None
+        and peers.holds_everything()
+    )
+    return not collective.max_flags(np.array([0 if ok else 1], np.int64))[0]
 
 
 def _injector(cfg: RunConfig, rank: int, world: int, store: RedisStore, specs, trainer_index: int | None) -> Injector:

@@ -77,6 +77,7 @@ class RecoveryManager:
     replica_wait: bool = False  # writers wait until replicas acknowledged each step's writes
     write_behind: bool = False  # a step's write runs on the store's write-behind thread (one trainer)
     write_every: int = 1  # with write_behind and every table held: rows reach the shards once per window
+    lockstep: bool = False  # several trainers write behind: their windows close together (``SparseWriter``)
     # step -> a wait that makes the dense state saved at ``step`` the restart point (or None): a
     # window's write runs it before its rows move (``DenseSaver.committer``)
     committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None
@@ -102,6 +103,7 @@ class RecoveryManager:
             self.write_behind,
             self.write_every,
             self.committer_of,
+            self.lockstep,
         )
         windowed = self.writer.window is not None
         self.ledger = Ledger(n, self.batch_size, self.counter, recent=self.strategy.promotes, windowed=windowed)
@@ -166,6 +168,7 @@ class RecoveryManager:
             self.checkpointer.settle()
         if settle and self.through is not None:
             self.through.settle()
+        self.writer.close()
         for w in (self.priority, self.flusher, *self.logs.values()):
             if w is not None:
                 w.close()

@@ -173,6 +173,7 @@ class CommitPoints:
 
     def __init__(self, detector: Detector, writer, recover: Callable[[list[int], int, str], Outcome], note) -> None:
         self.detector, self.writer, self.recover, self.note = detector, writer, recover, note
+        self.failures_seen = 0  # commit points that saw a shard fail
 
     def commit(self, step: int, phase: str) -> Outcome:
         """All trainers agree on the failed shards; if any, they are recovered. A write-behind in
@@ -184,6 +185,9 @@ class CommitPoints:
         self.writer.keep_redo_of(failed)
         if not failed:
             return CONTINUE
+        self.failures_seen += 1
+        if self.writer.lockstep:  # every trainer's open window goes to the shards that did not fail, before any restore
+            self.writer.on_failure_seen(failed)
         self.note(f"step {step} {phase}: shards {failed} failed")
         return self.recover(failed, step, phase)
 
@@ -194,6 +198,10 @@ class CommitPoints:
         for _ in range(MAX_ATTEMPTS):
             if only is not None:
                 self.writer.redo(only)
+                if self.writer.lockstep:  # no trainer reads a shard before its writer redid its part
+                    self.detector.collective.barrier()
+            if phase == "stage":  # the shards changed behind the steps: every peer row read first
+                self._complete_peers()
             self.detector.guard(lambda only=only: fn(only))
             out = self.commit(step, phase)
             if out.action is not Action.RETRY:
@@ -213,6 +221,8 @@ class CommitPoints:
         injected failure fired at (else the write's), and ``write_step``, the step whose write saw
         it, where they differ."""
         w = self.writer
+        if w.lockstep:
+            return self._commit_lockstep(now, reads)
         if w.window is not None and not reads and not w.window.closes_at(now):
             return CONTINUE
         out = self._join_behind(now)
@@ -221,8 +231,48 @@ class CommitPoints:
         w.write_window()
         return self._join_behind(now)
 
-    def _join_behind(self, now: int) -> Outcome:
+    def _complete_peers(self) -> None:
+        """At a step's stage, with several trainers writing in windows: the rows of the other
+        trainers' shards that this trainer no longer keeps (a restore, a rollback or a resume changed
+        them behind the steps, on every trainer alike) are read back, once every trainer's write in
+        flight is on its shards (joined here, then a barrier). Every window was written when the
+        shards changed, and no step has updated a row since but through a window joined here, so the
+        shards hold every row as of the step before (``PeerFront.complete_peer_rows``)."""
+        w = self.writer
+        peers = w.store.peer_rows if w.lockstep else None
+        if peers is None or peers.complete:
+            return
+        self.detector.guard(w.settle_behind)  # a failure: recorded, met at the stage's commit point
+        self.detector.collective.barrier()
+        self.detector.guard(w.store.complete_peer_rows)
+
+    def _commit_lockstep(self, now: int, reads: bool) -> Outcome:
+        """``commit_behind`` with several trainers writing in windows (``SparseWriter.lockstep``):
+        at each window's close, and before reads, every trainer joins its write in flight at one
+        commit point (a collective, whether or not it has a write in flight); where none failed,
+        the last window written becomes the restart point (``SparseWriter.commit_written``)."""
+        w = self.writer
+        if not reads and not w.closes_at(now):
+            return CONTINUE
+        out = self._join_lockstep(now)
+        if not reads or out.rolled_back:
+            return out
+        if w.window is not None and w.window.open:
+            w.write_window()
+        return self._join_lockstep(now)
+
+    def _join_lockstep(self, now: int) -> Outcome:
+        seen = self.failures_seen
+        out = self._join_behind(now, every_trainer=True)
+        if not out.rolled_back and self.failures_seen == seen:
+            self.writer.commit_written()
+        return out
+
+    def _join_behind(self, now: int, every_trainer: bool = False) -> Outcome:
+        """``every_trainer``: the commit point runs whether or not this trainer has a write in flight."""
         step = self.writer.behind_step
+        if step is None and every_trainer:
+            step = now
         if step is None:
             return CONTINUE
         self.detector.seen_at = now

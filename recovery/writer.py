@@ -7,6 +7,14 @@ write-behind thread; ``CommitPoints.commit_behind`` is its commit point), and wi
 in windows of K steps (``recovery.window``): a window's rows reach the shards in one write when it
 closes, a failure seen anywhere closes it at once, and a shard that failed under a write redoes
 that write's steps once recovered (``redo``).
+
+Several trainers write behind in windows only (``lockstep``: ``recovery.factory.writes_behind`` says
+where): every trainer's window closes at the same steps, and its write is joined at the next close
+at one commit point of them all (``CommitPoints.commit_behind``). Only then is it known that every
+shard took the window, so the dense state saved at its step becomes the restart point there
+(``commit_written``, on the trainer that saves it), and a barrier keeps every trainer's next window
+from moving before that: the restart point is never more than one window behind any shard, whose
+undo record takes it back (``Markers.rollback``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from embeddings.bags.module import sum_by_key
 from recovery.durable.log import ShardLog
 from recovery.errors import RecoveryError
 from recovery.protocol import Detector
-from recovery.window import Window
+from recovery.window import Window, closes_window
 
 
 def _wait_all(pending: list, durable: Callable[[], None] | None = None) -> None:
@@ -45,6 +53,7 @@ class SparseWriter:
         write_behind: bool = False,
         write_every: int = 1,
         committer_of: Callable[[int], Callable[[], None] | None] = lambda step: None,
+        lockstep: bool = False,
     ) -> None:
         self.store, self.detector, self.logs = store, detector, logs
         self.replica_wait, self.write_behind = replica_wait, write_behind
@@ -52,6 +61,7 @@ class SparseWriter:
         # window's write runs it before its rows move (``DenseSaver.committer``)
         self.committer_of = committer_of
         held = store.row_cache
+        self.lockstep, self._every = lockstep, write_every  # several trainers: windows closed together
         self.window = (
             Window(held, write_every)
             if write_behind and write_every > 1 and held is not None and held.holds_all()
@@ -70,7 +80,27 @@ class SparseWriter:
     @property
     def window_steps(self) -> int:
         """Steps per write-behind window (1: every step's rows are written after it)."""
-        return self.window.every if self.window is not None else 1
+        return self.window.every if self.window is not None else self._every if self.lockstep else 1
+
+    def closes_at(self, step: int) -> bool:
+        """Whether a window closes at ``step`` (every step without windows)."""
+        return closes_window(step, self.window_steps)
+
+    def commit_written(self) -> None:
+        """Several trainers, at a commit point that joined every trainer's write behind and saw no
+        failure: the dense state saved at the step the last window written is as of becomes the
+        restart point (on the trainer that saves it), then a barrier: no trainer's next window moves
+        before it is."""
+        commit = self.committer_of(self.written_to) if self.written_to >= 0 else None
+        if commit is not None:
+            commit()
+        self.detector.collective.barrier()
+
+    def close(self) -> None:
+        """The trainer closes: an open window is let go unwritten (its pins with it), as a process
+        that died would leave it; the trainer built next resumes from the dense state."""
+        if self.window is not None:
+            self.window.clear()
 
     @property
     def behind_step(self) -> int | None:
@@ -114,6 +144,8 @@ class SparseWriter:
             here = np.flatnonzero(~away)
             keys, grads, shards = keys[here], grads[torch.from_numpy(here)], shards[here]
         if not len(keys):
+            if behind and self.window is not None and self.window.open and self.window.closes_at(step):
+                self.write_window()  # closed with the other trainers' (lockstep), rows of this step or not
             return
         try:
             current = self.store.read_keys(keys)  # held rows: no I/O
@@ -232,7 +264,8 @@ class SparseWriter:
             keys, rows, undo, shards = keys[keep], rows[keep], undo[keep], shards[keep]
         if before is None:
             before = [(log, log.pending()) for log in self.logs.values()]
-        durable = self.committer_of(self.written_to)
+        # several trainers: the restart point moves at a commit point of them all (``commit_written``)
+        durable = None if self.lockstep else self.committer_of(self.written_to)
 
         def written() -> None:
             """Every shard took the window: the dense state saved at its step (if handed over by
@@ -249,7 +282,7 @@ class SparseWriter:
             undo=undo,
             before=lambda: _wait_all(before, durable),
             window=True,
-            after=None if len(skip) else written,  # a skipped shard has not got the window yet
+            after=None if len(skip) or self.lockstep else written,  # a skipped shard has not got the window yet
         )
         self._behind = (updates, step, keys, rows, shards)
         self.written_to = step
@@ -275,13 +308,14 @@ class SparseWriter:
                 if s not in failed and self.store.has_replica(s):
                     self._replicated(s)
 
-    def on_failure_seen(self) -> None:
-        """At a commit point where a shard failed: the write-behind in flight is joined, and the open
-        window's rows go now, to the shards that did not fail: the failed ones redo its steps once
-        recovered (nothing may reach them before, or their marker would pass a failed write's steps)."""
+    def on_failure_seen(self, failed: list[int] | None = None) -> None:
+        """At a commit point where a shard failed (``failed``; default: those this trainer saw): the
+        write-behind in flight is joined, and the open window's rows go now, to the shards that did
+        not fail: the failed ones redo its steps once recovered (nothing may reach them before, or
+        their marker would pass a failed write's steps)."""
         self.settle_behind()
         if self.window is not None and self.window.open:
-            self.write_window(skip=self.detector.flagged())
+            self.write_window(skip=self.detector.flagged() if failed is None else sorted(set(failed)))
             self.settle_behind()
 
     def redo(self, only: tuple[int, ...]) -> None:

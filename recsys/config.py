@@ -171,13 +171,13 @@ class EmbeddingConfig:
     (rows with their slot's bookkeeping; fractions allowed): updates and stages read them there
     instead of from Redis, and the least read go when it is full. 0: off."""
     write_behind: bool = True
-    """With one trainer and held rows: a step's rows go to the shards on a background thread while
-    the next computes; their commit point is the next update (or a save, evaluation or the end)."""
+    """With held rows: a step's rows go to the shards on a background thread while the next computes;
+    their commit point is the next update (or a save, evaluation or the end). Several: ``writes_behind``."""
     write_every: int = 0
     """With the write-behind: a row reaches its shard once per window of this many steps (each row once,
     as of the window's last step); saves, evaluations and the end close a window early; a restart
-    resumes from the last window's end, a failed shard has the window redone. 0: ``AUTO_WINDOW`` where
-    windows apply (the tier, one trainer, write-behind, not --train-through), else 1."""
+    resumes from the last window every shard took, a failed shard has the window redone. 0:
+    ``AUTO_WINDOW`` where windows apply (``RunConfig.window_steps``), else 1."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
     huge_pages: bool = False
@@ -597,10 +597,10 @@ class RunConfig:
             )
         if self.embeddings.write_every > 1:  # asked for: refused where windows do not apply
             _check(
-                self.embeddings.embeddings == "redis" and self.train.trainers == 1 and self.embeddings.write_behind,
+                self.embeddings.embeddings == "redis" and self.embeddings.write_behind,
                 "write_every",
                 self.embeddings.write_every,
-                "windows are written behind by one trainer: needs --embeddings redis, --trainers 1 and write-behind",
+                "windows are written behind: needs --embeddings redis and write-behind",
             )
         if self.embeddings.embeddings == "local":
             _check(
@@ -672,12 +672,12 @@ class RunConfig:
     @property
     def window_steps(self) -> int:
         """Steps per write-behind window: ``--write-every``, or where it is 0 (the default)
-        ``AUTO_WINDOW`` where windows apply (the Redis tier, one trainer, write-behind, not
-        --train-through; the fastest measured setting there) and 1 elsewhere."""
+        ``AUTO_WINDOW`` where windows apply (the Redis tier, write-behind, not --train-through; the
+        fastest measured setting there; ``recovery.factory.writes_behind``) and 1 elsewhere."""
         e = self.embeddings
         if e.write_every:
             return e.write_every
-        applies = e.embeddings == "redis" and self.train.trainers == 1 and e.write_behind
+        applies = e.embeddings == "redis" and e.write_behind
         return AUTO_WINDOW if applies and not self.recovery.train_through else 1
 
     @property

@@ -28,6 +28,10 @@ BASE = [
     "2048",
     "--log-every",
     "5",
+    # the per-step contract: a shard's failure is met at the step it happens (2 trainers writing in
+    # windows, the default, meet it at the window's close: tests/test_windows_groups.py)
+    "--write-every",
+    "1",
 ]
 
 

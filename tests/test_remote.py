@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--steps", "120", "--rows-per-table", "2000", "--batch-size", "256", "--embedding-dim", "8"]
 BASE += ["--eval-every", "0", "--eval-samples", "2048", "--log-every", "5", "--checkpoint-every", "20"]
 BASE += ["--timeout", "1", "--max-restarts", "0"]
+BASE += ["--write-every", "1"]  # a kill is met at the step it lands in (in windows: at the window's close)
 SEED = int(os.environ.get("REMOTE_SEED", time.time_ns() % 100_000))
 
 

@@ -139,7 +139,7 @@ def test_cli_run_writes_all_outputs(tmp_path):
         (["--write-every", "-1"], "write_every=-1: must be >= 1"),
         (["--kernels", "tbe"], "kernels='tbe': must be fbgemm or torch"),
         (["--prefetch", "--no-prefetch"], "--prefetch and --no-prefetch: give one"),
-        (["--write-every", "8", "--trainers", "2"], "write_every=8: windows are written behind by one trainer"),
+        (["--write-every", "8", "--no-write-behind"], "write_every=8: windows are written behind: needs"),
     ],
 )
 def test_bad_config_exits_with_one_line_and_no_traceback(tmp_path, flags, message):
