@@ -185,19 +185,16 @@ class TrainerGroup:
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
         self.comm.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
         counts = [int(s.item()) for s in sizes]
-        most = max(counts)
-        pad_k = torch.full((most,), -1, dtype=torch.int64)
-        pad_k[: len(keys)] = keys
-        pad_g = torch.zeros((most, grads.shape[1]), dtype=torch.float32)
-        pad_g[: len(grads)] = grads
-        all_k = [torch.empty_like(pad_k) for _ in range(world_size)]
-        all_g = [torch.empty_like(pad_g) for _ in range(world_size)]
-        self.comm.all_gather(all_k, pad_k)
-        self.comm.all_gather(all_g, pad_g)
-        return (
-            torch.cat([k[:c] for k, c in zip(all_k, counts)]),
-            torch.cat([g[:c] for g, c in zip(all_g, counts)]),
-        )
+        most, n = max(counts), len(keys)
+        # one collective for both: each row its key's two 32-bit words, then its gradient's bits (int32
+        # throughout: the bytes are moved, never converted)
+        pad = torch.zeros((most, 2 + grads.shape[1]), dtype=torch.int32)
+        pad[:n, :2] = keys.contiguous().view(torch.int32).view(n, 2)
+        pad[:n, 2:] = grads.contiguous().view(torch.int32)
+        parts = [torch.empty_like(pad) for _ in range(world_size)]
+        self.comm.all_gather(parts, pad)
+        rows = torch.cat([p[:c] for p, c in zip(parts, counts)])
+        return rows[:, :2].contiguous().view(torch.int64).view(-1), rows[:, 2:].contiguous().view(torch.float32)
 
     def reduce_dense(self, params: list[torch.nn.Parameter], flats: list[torch.Tensor]) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
