@@ -59,11 +59,11 @@ def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict |
     v = agree(group, cfg, index, prev, q, state is not None, replacement)
     n = (len(v) - 1) // 3
     left = [i for i in range(n) if v[i]]
-    joined = any(v[n + i] for i in range(n))
-    # trainers writing in windows (``recovery.factory.writes_behind``): a newcomer would read rows of
-    # windows still open on the others, so a join also takes everyone back to the dense state
+    # trainers writing in windows (``recovery.factory.writes_behind``): a trainer built again for the
+    # new quorum lets its open window go unwritten (``SparseWriter.close``), and a newcomer would read
+    # rows of windows open on the others, so every new quorum goes back to the dense state
     windows = cfg.train.trainers > 1 and cfg.embeddings.write_behind and cfg.window_steps > 1
-    fresh = bool(left) or bool(v[3 * n]) or (joined and windows)
+    fresh = bool(left) or bool(v[3 * n]) or windows
     if not fresh:  # every member holds a state: of one step, or everyone goes back to the dense state
         fresh = not same_everywhere(group, int(state["run"]["step"]) + 1 if state is not None else 0)
     return {
