@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from embeddings import RedisStore, rowkeys
 from embeddings.servers.launcher import ShardSpec
 from recovery.accounting import Ledger, UpdateCounter
@@ -247,6 +249,8 @@ class RecoveryManager:
         # and every trainer's listing of its shards is void before rank 0 restores any (``stop_learning``)
         self.wait_background()
         self.collective.barrier()
+        if self.writer.lockstep:  # rank 0 counts what a restore loses: the steps each shard's writer redoes
+            self.writer.redo_seen = self._redo_everywhere(failed)
         if self.through is not None and phase in THROUGH_PHASES:
             return self.through.begin(failed, step, phase)
         mine, error = None, None
@@ -277,6 +281,18 @@ class RecoveryManager:
         if rebuilt:
             self.ledger.rolled_back(verdict.rollback)
         return verdict.outcome()
+
+    def _redo_everywhere(self, failed: list[int]) -> dict[int, list[int]]:
+        """The first and last step each failed shard's writer redoes once it is restored (one
+        collective): every trainer learns them, rank 0 counts by them."""
+        n, top = self.store.num_shards, np.iinfo(np.int64).max // 2
+        v = np.zeros(2 * n, np.int64)
+        for s in failed:
+            steps = [st for _, st in self.writer.redo_of.get(s, [])]  # this trainer's own, if it writes s
+            if steps:
+                v[s], v[n + s] = max(steps), top - min(steps)
+        v = self.collective.max_flags(v)
+        return {s: [int(top - v[n + s]), int(v[s])] for s in failed if v[s]}
 
     def _restore_on_rank0(self, failed: list[int], step: int, phase: str) -> Verdict:
         self.journal.mark_in_recovery(failed)

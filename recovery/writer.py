@@ -72,6 +72,7 @@ class SparseWriter:
         # order once the shard is recovered
         self._behind: tuple | None = None
         self.redo_of: dict[int, list[tuple[object, int]]] = {}
+        self.redo_seen: dict[int, list[int]] = {}  # several trainers: shard -> its writer's redo steps (first, last)
         self._redone: set[int] = set()
         self.as_of: dict[int, int] = {}  # the step each shard's last restore brought it to
         self.last_logged: dict[int, int] = {}  # shard -> the last step this writer handed to its log
@@ -108,8 +109,9 @@ class SparseWriter:
         return self._behind[1] if self._behind is not None else None
 
     def redo_steps(self, shard: int) -> list[int]:
-        """The steps of failed write-behinds that ``shard`` redoes once recovered."""
-        return [st for _, st in self.redo_of.get(shard, [])]
+        """The steps of failed write-behinds that ``shard`` redoes once recovered (several trainers:
+        its writer's, the first and last, as every trainer learned them before a restore: ``redo_seen``)."""
+        return [st for _, st in self.redo_of.get(shard, [])] or self.redo_seen.get(shard, [])
 
     # -- one step's write -------------------------------------------------------------------------
     def apply(
@@ -258,8 +260,10 @@ class SparseWriter:
         step = updates[-1][1]
         shards = self.store.shard_map.shard_of_keys(keys)
         if len(skip):
+            mine = set(np.unique(shards).tolist()) if self.lockstep else set(skip)  # several trainers: its own
             for s in skip:
-                self.redo_of.setdefault(s, []).extend(updates)
+                if s in mine:
+                    self.redo_of.setdefault(s, []).extend(updates)
             keep = ~np.isin(shards, skip)
             keys, rows, undo, shards = keys[keep], rows[keep], undo[keep], shards[keep]
         if before is None:

@@ -88,3 +88,20 @@ def test_three_trainers_on_two_shards_survive_a_death_and_the_quorums_after_it_b
     assert s["embedding_digest"] == ref["embedding_digest"]
     code, line = verify(tmp_path / "run")
     assert code == 0, line
+
+
+def test_partial_recovery_counts_only_the_windows_it_cannot_redo(tmp_path, baseline):
+    # killed inside the window after checkpoint 20: that window is redone on the restored shard, nothing lost
+    inside = train(
+        tmp_path / "inside", "--recovery", "partial", "--checkpoint-every", "20", "--inject", "shard:1@step=25"
+    )
+    (f,) = inside["failures"]
+    assert (f["step"], f["restored_from_step"], f["lost_updates"]) == (32, 20, 0)
+    assert inside["embedding_digest"] == baseline["embedding_digest"]
+    # killed after the window of steps 21-32 reached the shard: restored to 20, those steps are lost
+    after = train(
+        tmp_path / "after", "--recovery", "partial", "--checkpoint-every", "20", "--inject", "shard:1@step=35"
+    )
+    (f,) = after["failures"]
+    assert f["restored_from_step"] == 20 and f["lost_updates"] > 0 and f["lost_samples"] > 0
+    assert after["embedding_digest"] != baseline["embedding_digest"]
