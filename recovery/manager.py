@@ -250,7 +250,7 @@ class RecoveryManager:
         self.wait_background()
         self.collective.barrier()
         if self.writer.lockstep:  # rank 0 counts what a restore loses: the steps each shard's writer redoes
-            self.writer.redo_seen = self._redo_everywhere(failed)
+            self.writer.redo_seen = redo_everywhere(self.writer, self.collective, self.store.num_shards, failed)
         if self.through is not None and phase in THROUGH_PHASES:
             return self.through.begin(failed, step, phase)
         mine, error = None, None
@@ -281,18 +281,6 @@ class RecoveryManager:
         if rebuilt:
             self.ledger.rolled_back(verdict.rollback)
         return verdict.outcome()
-
-    def _redo_everywhere(self, failed: list[int]) -> dict[int, list[int]]:
-        """The first and last step each failed shard's writer redoes once it is restored (one
-        collective): every trainer learns them, rank 0 counts by them."""
-        n, top = self.store.num_shards, np.iinfo(np.int64).max // 2
-        v = np.zeros(2 * n, np.int64)
-        for s in failed:
-            steps = [st for _, st in self.writer.redo_of.get(s, [])]  # this trainer's own, if it writes s
-            if steps:
-                v[s], v[n + s] = max(steps), top - min(steps)
-        v = self.collective.max_flags(v)
-        return {s: [int(top - v[n + s]), int(v[s])] for s in failed if v[s]}
 
     def _restore_on_rank0(self, failed: list[int], step: int, phase: str) -> Verdict:
         self.journal.mark_in_recovery(failed)
@@ -352,3 +340,16 @@ class RecoveryManager:
     def load_state(self, state: dict) -> None:
         self.ledger.load_state(state)
         self.journal.failures = [dict(f) for f in state["failures"]]
+
+
+def redo_everywhere(writer: SparseWriter, collective: Collective, n: int, failed: list[int]) -> dict[int, list[int]]:
+    """Several trainers, before a restore: the first and last step each failed shard's writer redoes
+    once it is restored (one collective): every trainer learns them, rank 0 counts by them."""
+    top = np.iinfo(np.int64).max // 2
+    v = np.zeros(2 * n, np.int64)
+    for s in failed:
+        steps = [st for _, st in writer.redo_of.get(s, [])]  # this trainer's own, if it writes s
+        if steps:
+            v[s], v[n + s] = max(steps), top - min(steps)
+    v = collective.max_flags(v)
+    return {s: [int(top - v[n + s]), int(v[s])] for s in failed if v[s]}
