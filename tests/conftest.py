@@ -79,6 +79,7 @@ SLOWEST_FIRST = [
     "test_replace",
     "test_damaged_state",
     "test_export",
+    "test_windows_groups",
     "test_train_through",
     "test_train_through_groups",
     "test_ownership",
