@@ -347,8 +347,9 @@ def redo_everywhere(writer: SparseWriter, collective: Collective, n: int, failed
     once it is restored (one collective): every trainer learns them, rank 0 counts by them."""
     top = np.iinfo(np.int64).max // 2
     v = np.zeros(2 * n, np.int64)
+    writer.redo_seen = {}  # what the last restore learned: this trainer's own redo steps only now
     for s in failed:
-        steps = [st for _, st in writer.redo_of.get(s, [])]  # this trainer's own, if it writes s
+        steps = writer.redo_steps(s)
         if steps:
             v[s], v[n + s] = max(steps), top - min(steps)
     v = collective.max_flags(v)
