@@ -121,6 +121,12 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--batch-size": ("train", "batch_size", int, "global batch size (split over trainers)"),
     "--trainers": ("train", "trainers", int, "local trainer processes (torchrun sets its own world)"),
     "--threads": ("train", "threads", int, "torch threads per trainer (0: cores left after local shards)"),
+    "--balance-every": (
+        "train",
+        "balance_every",
+        int,
+        "with more --chunks than trainers: every N steps a trainer slower a chunk trains fewer chunks (0: never)",
+    ),
     "--chunks": (
         "train",
         "chunks",

@@ -1,4 +1,5 @@
-"""Step timing: where a training step's time goes, and how the training thread spent it."""
+"""Step timing: where a training step's time goes, how the training thread spent it, and each
+trainer's speed (the trainers found slow, and the chunks that follow speed: ``plan_chunks``)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ class StepClock:
 
 SLOW_RATIO = 1.5  # a trainer's compute a step over the others' median that counts as slow
 SLOW_RECORDS = 3  # in this many log records in a row: persistently slow, named once
+BALANCE_GAIN = 0.1  # chunks move only where the planned step is this much shorter than today's
+
+
+def plan_chunks(step_ms: list[float], counts: list[int], num_chunks: int) -> list[int] | None:
+    """How many of the ``num_chunks`` chunks each trainer trains next, from each trainer's compute a
+    step (``step_ms``) over the chunks it trained (``counts``): every trainer at least one, each next
+    chunk to the trainer that would finish it first (the lowest index on a tie), so the slowest
+    trainer's planned step is as short as it can be. None where that is not ``BALANCE_GAIN`` shorter
+    than with ``counts`` (noise moves nothing). Every trainer computes it from the same numbers alike."""
+    per = [m / max(1, n) for m, n in zip(step_ms, counts)]
+    if len(per) < 2 or min(per) <= 0 or num_chunks <= len(per):
+        return None
+    plan = [1] * len(per)
+    for _ in range(num_chunks - len(per)):
+        r = min(range(len(per)), key=lambda i: ((plan[i] + 1) * per[i], i))
+        plan[r] += 1
+    now = max(n * p for n, p in zip(counts, per))
+    then = max(n * p for n, p in zip(plan, per))
+    return plan if plan != list(counts) and then < (1 - BALANCE_GAIN) * now else None
 
 
 class TrainerSpeeds:
@@ -81,22 +101,34 @@ class TrainerSpeeds:
         self._n = 0
         self._streak: dict[int, int] = {}
         self.slow: list[dict] = []
+        self._since = [0.0, 0]  # compute and steps since the chunks were last planned
 
     def add(self, seconds: float) -> None:
         self._s += seconds
         self._n += 1
+        self._since[0] += seconds
+        self._since[1] += 1
+
+    def exchange_since(self, group) -> list[float]:
+        """Each trainer's mean compute a step (ms, by rank) since the last call (a collective: each
+        trainer's own figure added to zeros, so every trainer holds the same bits)."""
+        vec = np.zeros(group.world_size)
+        vec[group.rank] = 1000 * self._since[0] / max(1, self._since[1])
+        self._since = [0.0, 0]
+        return group.sum_floats(vec).tolist()
 
     def exchange(self, group, index: int, step: int, says: bool) -> dict[str, float]:
         """This trainer's mean since the last call, everyone's by index (``group.sum_floats``); a
-        trainer found slow is named on the terminal where ``says`` (rank 0)."""
+        trainer found slow (by its compute a chunk: chunks follow speed) is named on the terminal
+        where ``says`` (rank 0)."""
         mine = 1000 * self._s / max(1, self._n)
         self._s, self._n = 0.0, 0
-        vec = np.zeros(2 * group.world_size)
-        vec[2 * group.rank : 2 * group.rank + 2] = (mine, index)
-        got = group.sum_floats(vec).reshape(-1, 2)
-        ms = {int(i): float(m) for m, i in got}
-        self._judge(ms, step, (lambda line: tqdm.write(line, file=sys.stderr)) if says else (lambda line: None))
-        return {str(i): round(m, 2) for i, m in sorted(ms.items())}
+        vec = np.zeros(3 * group.world_size)
+        vec[3 * group.rank : 3 * group.rank + 3] = (mine, index, mine / max(1, len(group.chunks)))
+        got = group.sum_floats(vec).reshape(-1, 3)
+        per_chunk = {int(i): float(c) for _, i, c in got}
+        self._judge(per_chunk, step, (lambda line: tqdm.write(line, file=sys.stderr)) if says else (lambda line: None))
+        return {str(int(i)): round(float(m), 2) for m, i, _ in sorted(got.tolist(), key=lambda x: x[1])}
 
     def _judge(self, ms: dict[int, float], step: int, warn) -> None:
         named = {r["trainer"] for r in self.slow}
@@ -115,6 +147,54 @@ class TrainerSpeeds:
                 }
                 self.slow.append(rec)
                 warn(
-                    f"trainer {i} is slow: its compute takes {m:.1f} ms a step against {rec['others_ms']:.1f} ms for the "
+                    f"trainer {i} is slow: its compute takes {m:.1f} ms a chunk against {rec['others_ms']:.1f} ms for the "
                     f"others ({m / rec['others_ms']:.1f}x, {SLOW_RECORDS} log records in a row to step {step})"
                 )
+
+
+class ChunkBalance:
+    """Chunks follow speed (``--balance-every N``, where ``TrainerGroup.balances``): every N steps each
+    trainer's compute a step since the last plan is exchanged (a collective at the same step on every
+    trainer) and ``plan_chunks`` decides, alike everywhere; a new plan is taken from the next step
+    (``take``: that step's batch read again, of the new chunks). Chunks are reduced in chunk order,
+    so no plan moves a bit. ``plans``: every plan taken (step, chunks by rank, compute a chunk)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.next: list[int] | None = None
+        self.plans: list[dict] = []
+
+    def due(self, group, step: int, last: int) -> bool:
+        return bool(self.every) and group.balances and step % self.every == 0 and step < last
+
+    def plan(self, speeds: TrainerSpeeds, group, step: int, says: bool, log) -> None:
+        ms = speeds.exchange_since(group)
+        now = group.counts()
+        counts = plan_chunks(ms, now, group.num_chunks)
+        if counts is None:
+            return
+        self.next = counts
+        per = [round(m / n, 2) for m, n in zip(ms, now)]
+        rec = {"step": step, "chunks": counts, "chunk_ms": per}
+        self.plans.append(rec)
+        log(rec)
+        if says:
+            tqdm.write(
+                f"step {step}: chunks follow speed: trainers (by rank) train {counts} of the {group.num_chunks} chunks "
+                f"from step {step + 1} (their compute {per} ms a chunk)",
+                file=sys.stderr,
+            )
+
+    def take(self, reader, group, batch, build):
+        """-> (the reader of the planned chunks, the step's batch of them): ``batch``, read with the
+        old chunks, is read again from the same position. ``build()``: a reader of ``group.chunks``."""
+        counts, self.next = self.next, None
+        if batch is None:  # no step after this one
+            return reader, batch
+        state = reader.state_dict()
+        state["position"] -= state["global_batch_size"]  # the batch handed out for this step
+        reader.close()
+        group.assign(counts)
+        reader = build()
+        reader.load_state_dict(state)
+        return reader, next(reader)

@@ -305,20 +305,22 @@ class TrainConfig:
     torch: its idle threads spin, and a shard that waits for a core stalls every step."""
 
     chunks: int = 0
-    """The global batch is cut into this many fixed chunks, chunk ``c`` trained by trainer ``c %
-    trainers``; each chunk's gradients are computed on their own and reduced over the trainers in
-    chunk order (``--dense-reduce chunks``). So the arithmetic depends on the chunks, never on how
-    many trainers share them: one trainer with ``--chunks 3`` ends bit-identical to three trainers.
-    0: one chunk per trainer."""
+    """The global batch in this many fixed chunks (0: one per trainer), each trained on its own and reduced over
+    the trainers in chunk order (``--dense-reduce chunks``): one trainer with ``--chunks 3`` ends bit-identical
+    to three trainers. Chunk ``c`` is trained by trainer ``c % trainers`` until chunks follow speed."""
     dense_reduce: str = "chunks"
     """How the dense gradients are reduced over trainers: ``chunks`` (every chunk's gradients
     gathered and summed in chunk order: exact whatever the number of trainers) or ``allreduce``
     (one chunk per trainer, its gradients all-reduced and averaged: torch's DDP under
     ``--trainer-recovery restart``; under ``replace`` torchft's way, where a quorum without a dead
     trainer skips its chunk until its replacement joins, and the run counts those samples lost)."""
+    balance_every: int = 20
+    """With more chunks than trainers: every N steps the trainers give their compute a step (a collective) and a
+    slower trainer a chunk trains fewer from the next step (``recsys.clock.plan_chunks``). 0: never."""
 
     def __post_init__(self) -> None:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
+        _check(self.balance_every >= 0, "balance_every", self.balance_every, "must be >= 0 (0: chunks never move)")
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: auto)")
         _check(self.chunks >= 0, "chunks", self.chunks, "must be >= 0 (0: one per trainer)")
         _check(
@@ -387,10 +389,9 @@ class RecoveryConfig:
     keep_checkpoints: int = 2
     """Checkpoints kept; older ones are deleted once a newer one is verified."""
     max_abandoned_checkpoints: int = 3
-    """Checkpoints abandoned in a row (a full disk, a server that refuses the snapshot: not a shard
-    failure, which the recovery handles) before the run stops with an error, at the next checkpoint:
-    every step trained past them is one a shard failure would lose. Each abandoned checkpoint is a
-    warning line (rank 0). 0: never stop."""
+    """Checkpoints abandoned in a row (a full disk, a server that refuses the snapshot: not a shard failure, which the
+    recovery handles) before the run stops with an error, at the next checkpoint: every step trained past them is one a
+    shard failure would lose. Each abandoned checkpoint is a warning line (rank 0). 0: never stop."""
     log_dir: str = ""
     """Per-shard update logs (default: OUT/logs when recovery=log, else off)."""
     log_fsync: str = "always"
@@ -420,10 +421,9 @@ class RecoveryConfig:
     steps more; a death is met at the next collective); ``should_commit`` decides every step."""
 
     train_through: bool = False
-    """A failed shard is restored in the background while every trainer keeps stepping (partial,
-    partial-mfu, partial-ssu, incremental, log): its writer's cached rows are read exactly, other rows
-    from a fallback (counted), their updates applied to the restored rows when the shard rejoins.
-    Not with write-behind windows (--write-every > 1)."""
+    """A failed shard is restored in the background while every trainer keeps stepping (partial, partial-mfu,
+    partial-ssu, incremental, log): its writer's cached rows are read exactly, other rows from a fallback (counted),
+    their updates applied to the restored rows when the shard rejoins. Not with windows (--write-every > 1)."""
     through_budget_mb: float = 1024.0
     """With train_through: MB one trainer's outage rows and kept gradients may take; past it the run
     waits for the restore (one line)."""

@@ -64,7 +64,7 @@ class TorchDist:
 
 class TrainerGroup:
     """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
-    trained by trainer ``c % world_size``. ``exact``: the dense gradients are gathered and summed in
+    trained by trainer ``c % world_size``, until the chunks follow speed (``assign``). ``exact``: the dense gradients are gathered and summed in
     chunk order (``reduce_dense``), not all-reduced by DDP. ``comm``: where the collectives run
     (torch's default group; under ``--trainer-recovery replace`` the quorum's, ``recsys.quorum.replica``).
 
@@ -89,6 +89,7 @@ class TrainerGroup:
             raise ValueError(f"chunks={num_chunks}: fewer chunks than the {world_size} trainers")
         self.data_chunks = self.num_chunks
         """The chunks each global batch is cut into (the readers'); ``num_chunks``: those trained."""
+        self._assigned: list[list[int]] | None = None  # chunks by rank where they follow speed (``assign``)
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
         self.averages = own_chunk is not None
@@ -105,7 +106,33 @@ class TrainerGroup:
         return (self.exact and self.num_chunks > 1) or (self.averages and not self.solo)
 
     def chunks_of(self, rank: int) -> list[int]:
+        if self._assigned is not None:
+            return self._assigned[rank]
         return [c for c in range(self.num_chunks) if c % self.world_size == rank]
+
+    @property
+    def balances(self) -> bool:
+        """Whether chunks may follow speed: several trainers, more chunks than trainers, reduced in
+        chunk order (which trainer trains a chunk moves no bit)."""
+        return not self.solo and self.exact and not self.averages and self.num_chunks > self.world_size
+
+    def counts(self) -> list[int]:
+        """How many chunks each trainer trains, by rank."""
+        return [len(self.chunks_of(r)) for r in range(self.world_size)]
+
+    def assign(self, counts: list[int]) -> None:
+        """Each trainer (by rank) trains ``counts[r]`` chunks from the next step: consecutive chunks,
+        rank 0's first. Every trainer assigns the same counts at the same step."""
+        if len(counts) != self.world_size or sum(counts) != self.num_chunks or min(counts) < 1:
+            raise ValueError(
+                f"chunk counts {counts}: one of at least 1 per trainer of {self.world_size}, summing to {self.num_chunks}"
+            )
+        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        self._assigned = [list(range(starts[r], starts[r + 1])) for r in range(self.world_size)]
+        self.chunks = self._assigned[self.rank]
+
+    def _most(self) -> int:
+        return max(self.counts())
 
     def writes_shard(self, shard: int) -> bool:
         """Whether this trainer is the one writer of ``shard``."""
@@ -208,7 +235,7 @@ class TrainerGroup:
         elif self.solo:
             rows = list(mine)
         else:
-            most = len(self.chunks_of(0))  # trainer 0 has the most chunks
+            most = self._most()
             pad = torch.zeros((most, mine.shape[1]), dtype=mine.dtype)
             pad[: len(flats)] = mine
             parts = [torch.empty_like(pad) for _ in range(self.world_size)]
@@ -253,7 +280,7 @@ class TrainerGroup:
 
     def _chunk_order(self, k: torch.Tensor, g: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered rows (each trainer's chunks in turn) as chunk 0's, chunk 1's, ... rows."""
-        most = len(self.chunks_of(0))
+        most = self._most()
         mine = torch.zeros(most, dtype=torch.int64)
         mine[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
         if self.solo:

@@ -40,7 +40,7 @@ from recovery.factory import build_recovery
 from recovery.protocol import CONTINUE, Outcome
 from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
-from recsys.clock import WARMUP_STEPS, StepClock, TrainerSpeeds
+from recsys.clock import WARMUP_STEPS, ChunkBalance, StepClock, TrainerSpeeds
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
@@ -160,7 +160,8 @@ class Trainer:
         self.dense = list(dense_params(self.plain))
         self.opt = dense_optimizer(cfg, self.dense)
         self.data = sources(cfg)
-        self.reader = chunk_reader(self.data.train, self.batch_size, self.group, self.backend.prepare)
+        self.new_reader = lambda: chunk_reader(self.data.train, self.batch_size, self.group, self.backend.prepare)
+        self.reader = self.new_reader()
         self.coll = self.group.collective()
         self.dense_saver = (
             DenseSaver(cfg.checkpoint_dir, namespace, writer=rank == 0)
@@ -196,6 +197,7 @@ class Trainer:
         self._before = 0.0  # the run's wall time before this process trained (``elapsed_before``)
         self.clock = StepClock()
         self.speed = TrainerSpeeds()  # each trainer's compute a step, and the trainers found slow
+        self.balance = ChunkBalance(cfg.train.balance_every)  # chunks that follow speed
 
     # -- run state ----------------------------------------------------------------------------
     def state_dict(self, step: int | None = None) -> dict:
@@ -284,6 +286,8 @@ class Trainer:
                             self.clock.mark(self.step)
                         self.step += 1
                         batch = nxt
+                        if self.balance.next is not None:  # chunks follow speed from this step
+                            self.reader, batch = self.balance.take(self.reader, self.group, batch, self.new_reader)
                         continue
                 self.roll_back(out.to_step)  # full recovery: back to a checkpoint, then on from there
                 batch = next(self.reader)
@@ -369,11 +373,13 @@ class Trainer:
         nxt = next(self.reader) if step < self.steps else None
         clock.lap("data")
         t_compute = time.perf_counter()
-        loss = self.forward_backward(batch, nxt)
+        loss, flats = self.forward_backward(batch, nxt)
         slow = self.injector.slow_factor(step) if self.injector is not None else 1.0
         if slow > 1.0:  # --inject slow-trainer: this trainer's compute takes ``slow`` times as long
             time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
-        self.speed.add(time.perf_counter() - t_compute)
+        self.speed.add(time.perf_counter() - t_compute)  # its own chunks' work, no wait for the others
+        if self.group.reduces_dense:
+            self.group.reduce_dense(self.dense, flats)
         clock.lap("compute")
         out = self.commit_sparse(step)
         clock.lap("rows_out")
@@ -389,11 +395,11 @@ class Trainer:
             clock.lap("quorum")
         return out, nxt, loss
 
-    def forward_backward(self, batch, nxt) -> torch.Tensor:
+    def forward_backward(self, batch, nxt) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Each of this trainer's chunks of the step (``batch``: one, or a list) forward and backward on
-        its own, its row gradients kept apart; the dense gradients reduced in chunk order where the
-        group does it (``TrainerGroup.reduce_dense``), in DDP's backward otherwise. -> the sum of
-        its chunks' losses."""
+        its own, its row gradients kept apart. -> (the sum of its chunks' losses, each chunk's dense
+        gradients flat where the group reduces them in chunk order: ``TrainerGroup.reduce_dense``,
+        after; DDP's backward reduces them otherwise)."""
         parts = batch if isinstance(batch, list) else [batch]
         losses, flats = [], []
         for i, b in enumerate(parts):
@@ -407,10 +413,8 @@ class Trainer:
             if self.group.reduces_dense:
                 flats.append(flat_grads(self.dense))
             losses.append(loss)
-        if self.group.reduces_dense:
-            self.group.reduce_dense(self.dense, flats)
         # the sum over this trainer's chunks: ``TrainerGroup.mean`` divides the step's sum by the chunks
-        return losses[0] if len(losses) == 1 else torch.stack([x.detach() for x in losses]).sum()
+        return (losses[0] if len(losses) == 1 else torch.stack([x.detach() for x in losses]).sum()), flats
 
     def commit_sparse(self, step: int) -> Outcome:
         """Row gradients over trainers (a collective), then each writer's shards under the protocol."""
@@ -478,6 +482,8 @@ class Trainer:
             self.recovery.saves.prepare_priority()
         if out.rolled_back:
             return out
+        if self.balance.due(self.group, step, self.steps):
+            self.balance.plan(self.speed, self.group, step, self.rank == 0, self.out.log)
         if step % self.cfg.train.log_every == 0 or step == self.steps or eval_now:
             mean_loss = self.group.mean(loss)
             record = {
@@ -744,7 +750,7 @@ class Trainer:
             dense_save_seconds=self.dense_saver.seconds,
             backend_stats=self.backend.stats(),
         )
-        summary.update({} if self.group.solo else {"slow_trainers": self.speed.slow})  # named while training
+        summary.update({} if self.group.solo else {"slow_trainers": self.speed.slow, "chunk_plans": self.balance.plans})
         if kept is not None:
             summary["final_model"] = kept
         if self.init_stats is not None:

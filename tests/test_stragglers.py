@@ -52,3 +52,43 @@ def test_a_bad_slowdown_is_refused_in_one_line(spec, message):
     with pytest.raises(InjectionSpecError, match=message):
         parse_injection(spec)
     assert parse_injection("slow-trainer:2:1.5").step == 1
+
+
+def test_chunks_follow_speed_and_the_bits_stay(tmp_path):
+    """2 trainers, 6 chunks: trainer 1 slowed 3x from step 5 trains fewer chunks from the first plan
+    on (step 10), the plan in one line, ``metrics.jsonl`` and ``summary.json``; the digest is the
+    healthy run's, and without the plans (``--balance-every 0``) the same."""
+    flags = [*FLAGS, "--chunks", "6", "--balance-every", "10"]
+    healthy = train_cli(tmp_path / "healthy", *flags)
+    out = tmp_path / "slow"
+    proc = procs.run(
+        ["-m", "recsys", "train", *flags, "--inject", "slow-trainer:1:3@step=5", "--out", str(out)], timeout=300
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    slow = json.loads((out / "summary.json").read_text())
+    assert slow["embedding_digest"] == healthy["embedding_digest"]
+    plans = slow["chunk_plans"]
+    assert plans and plans[0]["step"] == 10, plans
+    assert plans[-1]["chunks"][1] < plans[-1]["chunks"][0] and sum(plans[-1]["chunks"]) == 6, plans
+    assert proc.stderr.count("chunks follow speed") == len(plans), proc.stderr[-2000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["chunks"] for r in records if "chunks" in r] == [p["chunks"] for p in plans]
+    still = train_cli(tmp_path / "still", *flags, "--balance-every", "0", "--inject", "slow-trainer:1:3@step=5")
+    assert still["chunk_plans"] == [] and still["embedding_digest"] == healthy["embedding_digest"]
+
+
+def test_the_chunk_plan_gives_the_slow_fewer_and_moves_nothing_on_noise():
+    from recsys.clock import plan_chunks
+    from recsys.group import TrainerGroup
+
+    assert plan_chunks([30.0, 60.0], [3, 3], 6) == [4, 2]  # 10 ms a chunk against 20
+    assert plan_chunks([30.0, 36.0], [3, 3], 6) is None  # 1.2x: not worth a move
+    assert plan_chunks([40.0, 20.0], [4, 2], 6) == [3, 3]  # the slow one healed: back to even
+    assert plan_chunks([10.0, 10.0, 100.0], [2, 2, 2], 6) == [3, 2, 1]  # at least one each; ties: the lower rank
+    assert plan_chunks([10.0, 20.0], [1, 1], 2) is None  # a chunk a trainer: nothing to move
+    group = TrainerGroup(world_size=2, rank=1, num_chunks=6)
+    assert group.balances and group.chunks == [1, 3, 5]
+    group.assign([4, 2])
+    assert group.chunks == [4, 5] and group.chunks_of(0) == [0, 1, 2, 3] and group.counts() == [4, 2]
+    with pytest.raises(ValueError, match="summing to 6"):
+        group.assign([4, 1])

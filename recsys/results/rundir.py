@@ -34,6 +34,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "train.save_model",
         "train.keep_model",
         "train.threads",
+        "train.balance_every",
         "train.tensorboard",
         "train.digest_max_rows",
         # where the shards are and how they are reached (same count, same kind: checked apart)
