@@ -8,6 +8,8 @@ seconds after training started, fired from a timer wherever the trainers are) or
 - ``shard:K@WHEN``          SIGKILL shard K (a shard reached only by URL: ``SHUTDOWN NOSAVE``)
 - ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds (by URL: ``CLIENT PAUSE``)
 - ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
+- ``stop-trainer:R@WHEN:SECS``  trainer R SIGSTOPs itself at the start of step N (a long GC, a swap
+                            storm) and a helper process SIGCONTs it SECS seconds later
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
 - ``lighthouse@WHEN``        SIGKILL the run's torchft Lighthouse (``--trainer-recovery replace``): the
                             launcher stops the trainers in one line, the run resumable (``--resume``)
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +52,7 @@ _PATTERNS = {
     "shard": re.compile(r"shard:(\d+)@" + _WHEN),
     "stall": re.compile(r"stall:(\d+)@" + _WHEN + r":(\d+(?:\.\d+)?)"),
     "trainer": re.compile(r"trainer:(\d+)@" + _WHEN),
+    "stop-trainer": re.compile(r"stop-trainer:(\d+)@" + _WHEN + r":(\d+(?:\.\d+)?)"),
     "node": re.compile(r"node:(\d+)@" + _WHEN),
     "corrupt-checkpoint": re.compile(r"corrupt-checkpoint:latest(?:@step=(\d+))?"),
     "corrupt-log": re.compile(r"corrupt-log:(\d+)@step=(\d+)"),
@@ -58,7 +62,7 @@ _PATTERNS = {
     "lighthouse": re.compile(r"lighthouse@(?:step=(\d+)|t=(\d+(?:\.\d+)?))"),
 }
 USAGE = (
-    "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, node:R@WHEN (WHEN: step=N, t=SECONDS or "
+    "expected shard:K@WHEN, stall:K@WHEN:SECONDS, trainer:R@WHEN, stop-trainer:R@WHEN:SECONDS, node:R@WHEN (WHEN: step=N, t=SECONDS or "
     f"during={'|'.join(PHASES)}), corrupt-checkpoint:latest[@step=N], corrupt-log:K@step=N, corrupt-dense@step=N, slow-restore:K:SECONDS, slow-trainer:R:FACTOR[@step=N] or lighthouse@WHEN"
 )
 
@@ -91,7 +95,7 @@ class Injection:
             return f"lighthouse@{self.when}"
         if self.kind == "slow-trainer":
             return f"slow-trainer:{self.target}:{self.seconds:g}@step={self.step}"
-        tail = f":{self.seconds:g}" if self.kind == "stall" else ""
+        tail = f":{self.seconds:g}" if self.kind in ("stall", "stop-trainer") else ""
         return f"{self.kind}:{self.target}@{self.when}{tail}"
 
     def shards(self, world_size: int, num_shards: int) -> list[int]:
@@ -134,7 +138,7 @@ def parse_injection(spec: str) -> Injection:
             kind,
             target,
             int(step) if step is not None else None,
-            float(g[4]) if kind == "stall" else 0.0,
+            float(g[4]) if kind in ("stall", "stop-trainer") else 0.0,
             float(t) if t is not None else None,
             during,
         )
@@ -234,7 +238,7 @@ class Injector:
             timer.cancel()
 
     def _mine(self, inj: Injection) -> bool:
-        if inj.kind in ("trainer", "node", "slow-trainer"):
+        if inj.kind in ("trainer", "node", "slow-trainer", "stop-trainer"):
             return inj.target == self.index
         return self.rank == 0
 
@@ -370,6 +374,14 @@ class Injector:
                 if shards:
                     time.sleep(0.05)  # a moment later, the trainer goes down with its node
                 os.kill(os.getpid(), signal.SIGKILL)
+            if inj.kind == "stop-trainer":  # a helper resumes it: a stopped process resumes nothing
+                self._record(inj, [])
+                resume = f"sleep {inj.seconds:g}; kill -CONT {os.getpid()}"
+                subprocess.Popen(
+                    ["sh", "-c", resume], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             if inj.kind == "lighthouse":
                 self._record(inj, [])
                 pid = os.environ.get("RECSYS_LIGHTHOUSE_PID")

@@ -657,7 +657,7 @@ class RunConfig:
                 _check(inj.target < n, "inject", str(inj), f"shard {inj.target} does not exist (the run has {n})")
             ok = self.replaces_trainers and not rc.lighthouse if inj.kind == "lighthouse" else True
             _check(ok, "inject", str(inj), "the launcher's Lighthouse: needs replace, no --lighthouse")
-            if inj.kind in ("trainer", "node", "slow-trainer"):
+            if inj.kind in ("trainer", "node", "slow-trainer", "stop-trainer"):
                 _check(
                     inj.target < self.train.trainers,
                     "inject",

@@ -12,7 +12,7 @@ ideal for the capacity left (the healthy run's figure x (W - 1 + 1/F) / W: every
 step), the ratio to it, the steps from the slowdown to the first plan that moved chunks, the last
 plan's chunks by rank, and whether the run ended on the healthy run's digest. ``--rounds N`` makes
 the healthy runs N times each, the order alternating, for what the plans cost without a straggler
-(the median ratio of balance on to off). One plot: samples/s against wall seconds for every run.
+(the median ratio of balance on to off, and how many plans moved chunks there). One plot: samples/s against wall seconds for every run.
 
     python scripts/bench_stragglers.py [--trainers 2,3] [--steps 200] [--slow-step 60] [--factor 2]
         [--chunks-per-trainer 3] [--balance-every 10] [--rounds 3] [--plot docs/bench-stragglers.png]
@@ -87,6 +87,7 @@ def measure(args, tmp: Path) -> list[dict]:
                     "last_chunks": s["chunk_plans"][-1]["chunks"] if s.get("chunk_plans") else None,
                     "digest_equal": s["embedding_digest"] == digest,
                     "healthy_on_over_off": cost,
+                    "healthy_plans": [len(h.get("chunk_plans", [])) for h in healthy_on],
                     "curve": s["elapsed"],
                 }
             )
@@ -155,7 +156,7 @@ def main() -> None:
         cost = r["healthy_on_over_off"]
         print(
             f"{r['trainers']} trainers, healthy: balance on / off per round {', '.join(f'{c:.3f}' for c in cost)}, "
-            f"median {float(np.median(cost)):.3f}"
+            f"median {float(np.median(cost)):.3f}; plans that moved chunks in those runs: {r['healthy_plans']}"
         )
     if args.plot:
         plot(rows, args)

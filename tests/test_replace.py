@@ -4,6 +4,7 @@ survivors go on at a new quorum training the dead trainer's chunks; only it star
 from a live peer; under ``log`` the run ends bit-identical to the run without the death."""
 
 import json
+import os
 
 import pytest
 
@@ -259,6 +260,7 @@ def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_on
     theirs = Quorum2()
     agree(theirs, cfg(8), 0, (0, 1), q, True, False)
     same = agree(Quorum2(theirs.sent), cfg(8), 1, (0, 1), q, True, False)
-    assert same.tolist() == [0] * 7  # nobody left or joined, every member holds a state
+    assert same[:7].tolist() == [0] * 7  # nobody left or joined, every member holds a state
+    assert same[7:].tolist() == [os.getpid()] * 2  # each member's process (both of them here)
     with pytest.raises(RuntimeError, match=r"quorum 7 disagree on --quorum-every \(4 here; from 4 to 8\)"):
         agree(Quorum2(theirs.sent), cfg(4), 1, (0, 1), q, True, False)

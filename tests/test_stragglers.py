@@ -92,3 +92,27 @@ def test_the_chunk_plan_gives_the_slow_fewer_and_moves_nothing_on_noise():
     assert group.chunks == [4, 5] and group.chunks_of(0) == [0, 1, 2, 3] and group.counts() == [4, 2]
     with pytest.raises(ValueError, match="summing to 6"):
         group.assign([4, 1])
+
+
+def test_a_trainer_stopped_past_the_timeout_is_left_out_replaced_and_the_bits_stay(tmp_path):
+    """Trainer 1 SIGSTOPs itself at step 20 for 6 s, past ``--trainer-timeout 3``: the other goes on
+    at a new quorum; the launcher kills the stopped process before any shard moves (it never
+    resumes to write with its old state), records a ``left-out`` failure and starts a replacement,
+    which heals from the live peer. Digest equal to the run without the stop; ``verify`` exits 0."""
+    flags = [*FLAGS[:-2], "--trainers", "2", "--steps", "120", "--recovery", "log", "--trainer-recovery", "replace"]
+    healthy = train_cli(tmp_path / "healthy", *flags)
+    out = tmp_path / "stopped"
+    stop = ["--trainer-timeout", "3", "--inject", "stop-trainer:1@step=20:6"]
+    proc = procs.run(["-m", "recsys", "train", *flags, *stop, "--out", str(out)], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["embedding_digest"] == healthy["embedding_digest"]
+    (rec,) = s["failures"]
+    assert rec["kind"] == "left-out" and rec["target"] == 1 and rec["step"] == 20, rec
+    assert rec["healed_from"] == "peer" and rec["dense_equal_at_rejoin"] is True, rec
+    assert rec["detected_after_s"] >= 3, rec  # silent for --trainer-timeout before the quorum broke
+    assert "left out: no answer within --trainer-timeout 3 s" in proc.stderr, proc.stderr[-2000:]
+    fired = [json.loads(x) for x in (out / "injections.jsonl").read_text().splitlines() if "spec" in x]
+    assert [f["spec"] for f in fired] == ["stop-trainer:1@step=20:6"]
+    check = procs.run(["-m", "recsys", "verify", str(out)], timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr

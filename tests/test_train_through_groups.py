@@ -143,3 +143,14 @@ def test_the_replacement_dying_during_its_restore_on_remote_servers(tmp_path, re
         store.close()
     code, line = verify(out)
     assert code == 1 and f"shard {shard}, table t_cat_5, row 40:" in line, line
+
+
+def test_a_trainer_slowed_while_a_shard_is_away(tmp_path, base2):
+    """A slowdown (trainer 1 at 3x from step 20) while shard 1 is restored in the background (from
+    step 25, 3 s): the outage is recorded, the run ends on the healthy run's digest and verifies."""
+    out = tmp_path / "run"
+    s = train_cli(out, *TWO, "--recovery", "log", "--train-through", *HELD_3S, "--inject", "slow-trainer:1:3@step=20")
+    assert outage(s)["trained_through_steps"] > 0, json.dumps(s["failures"])
+    assert [r["trainer"] for r in s["slow_trainers"]] == [1], s["slow_trainers"]
+    assert s["embedding_digest"] == base2[1]["embedding_digest"]
+    assert verify(out)[0] == 0

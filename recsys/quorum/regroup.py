@@ -13,12 +13,15 @@ trainers left and joined since the last, and where to go on from:
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from recovery.durable.files import write_atomic
 from recsys.group import TrainerGroup
 from recsys.quorum.epoch import Epoch, same_everywhere
 from recsys.quorum.replica import PeerLost, Quorum, Regroup, Replica
@@ -30,10 +33,12 @@ def agree(
     group: TrainerGroup, cfg, index: int, prev: tuple[int, ...] | None, q: Quorum, has_state: bool, replacement: bool
 ) -> np.ndarray:
     """One collective of the new quorum: -> [left flags, joined flags, heal ms] per trainer index,
-    and whether any member holds no state to go on from. ``prev``: the members of this process's
-    last quorum (None at its first); ``replacement``: it started after the run began."""
+    whether any member holds no state to go on from, then each member's process id (by index, 0
+    for none). ``prev``: the members of this process's last quorum (None at its first);
+    ``replacement``: it started after the run began."""
     n = max(cfg.train.trainers, 1 + max(q.members))
-    v = np.zeros(3 * n + 3, dtype=np.int64)
+    v = np.zeros(4 * n + 3, dtype=np.int64)
+    v[3 * n + 3 + index] = os.getpid()
     if prev is not None:
         for i in set(prev) - set(q.members):
             v[i] = 1
@@ -49,7 +54,7 @@ def agree(
             f"the trainers of quorum {q.quorum_id} disagree on --quorum-every ({k} here; from "
             f"{-int(v[3 * n + 2])} to {int(v[3 * n + 1])}): run every trainer with the same value"
         )
-    return v[: 3 * n + 1]
+    return np.concatenate([v[: 3 * n + 1], v[3 * n + 3 :]])
 
 
 def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict | None, replacement: bool) -> dict:
@@ -57,7 +62,7 @@ def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict |
     go on from, its own or healed from a peer, None: nothing), as the ``Epoch`` fields it sets:
     where to go on from (``start_state``: None, the dense state), who left and who joined."""
     v = agree(group, cfg, index, prev, q, state is not None, replacement)
-    n = (len(v) - 1) // 3
+    n = (len(v) - 1) // 4
     left = [i for i in range(n) if v[i]]
     # trainers writing in windows (``recovery.factory.writes_behind``): a trainer built again for the
     # new quorum lets its open window go unwritten (``SparseWriter.close``), and a newcomer would read
@@ -72,6 +77,7 @@ def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict |
         "left": left,
         "joined": {i: bool(v[n + i] == 2) for i in range(n) if v[n + i]},
         "heal_s": float(v[2 * n : 3 * n].max()) / 1000,
+        "pids": {i: int(v[3 * n + 1 + i]) for i in range(n) if v[3 * n + 1 + i]},
     }
 
 
@@ -169,7 +175,8 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
     try:
         prev: tuple[int, ...] | None = None
         live: dict | None = None
-        detected = 0.0
+        pids: dict[int, int] = {}  # the last quorum's members' processes
+        at, detected = 0, 0.0  # the step this process's trainer was in when its quorum broke, and when
         if not replacement:
             marks.ready(index)
         # every trainer of the run expected at the first quorum (a replacement: in the dead one's place)
@@ -197,6 +204,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 )
                 healed = _healed(q, namespace)
                 how = meeting(group, cfg, index, prev, q, live if live is not None else healed, replacement)
+                pids = fence_left(marks, how, pids, q.rank == 0, (at, detected, cfg.recovery.trainer_timeout))
             except PeerLost:
                 if trainer is not None:
                     trainer.close()
@@ -221,7 +229,7 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 q, live, detected = r.quorum, r.live, time.time()
             except PeerLost as e:
                 trainer.recovery.journal.note(f"trainer {index}: {e}; the step is discarded, the quorum forms again")
-                live, detected = None, time.time()
+                live, detected, at = None, time.time(), trainer.step
                 # the same members expected (a dead trainer's replacement asks meanwhile): built while the quorum forms
                 pre = Prebuilt.maybe(cfg, urls, namespace, specs, replica, tuple(prev), marks.finishing)
                 q = _quorum(replica, 0)
@@ -230,6 +238,32 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
             pre.close()
         replica.close()
         keep_released(False)  # the last trainer's cache goes (an in-process run: nothing of it outlives the run)
+
+
+SUPERVISOR_ENV = "RECSYS_REPLICA_SUPERVISOR"  # set by the launcher's supervisor for the trainers it starts
+FENCE_S = 60.0  # the longest the members wait for the supervisor to stop a trainer left out
+
+
+def fence_left(marks: RunMarks, how: dict, pids: dict[int, int], says: bool, when: tuple) -> dict[int, int]:
+    """Trainers left out of this quorum (``how``: ``meeting``'s; their processes as of the last
+    quorum: ``pids``; -> this quorum's, taken out of ``how``) are stopped before any member touches a shard: one that was only paused (SIGSTOP, a long GC, a
+    swap storm) past ``--trainer-timeout`` must never resume to write a shard or commit a step with
+    the state it had. ``when``: the step the quorum broke in, when, and ``--trainer-timeout``. ``says``
+    (the quorum's rank 0) asks the launcher's supervisor to stop it, and
+    every member waits until it is gone; the supervisor starts its replacement as after a death, and
+    that one joins at a quorum, healed from a peer. Trainers launched as separate commands
+    (``--trainer-index``) have no supervisor to stop a paused one: there nothing fences it."""
+    now = how.pop("pids")
+    if not os.environ.get(SUPERVISOR_ENV):
+        return now
+    for i in how["left"]:
+        pid = pids.get(i)
+        if pid is None or pid == os.getpid():
+            continue
+        if says:
+            marks.leave_out(i, pid, *when)
+        marks.wait_gone(i, pid, FENCE_S)
+    return now
 
 
 def _healed(q: Quorum, namespace: str) -> dict | None:
@@ -343,6 +377,38 @@ class RunMarks:
 
     def has_ended(self) -> bool:
         return (self.dir / "ended").exists()
+
+    def leave_out(self, index: int, pid: int, step: int, broke: float, timeout_s: float) -> None:
+        """Trainer ``index`` (process ``pid``) was left out of a quorum that broke in ``step`` at
+        ``broke`` (its last answer ``timeout_s`` before): the supervisor stops it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        silent = broke - timeout_s if broke else time.time()
+        rec = {"index": index, "pid": pid, "step": step or None, "silent_since": silent, "timeout_s": timeout_s}
+        write_atomic(self.dir / f"left.{pid}", json.dumps(rec).encode())
+
+    def left_out(self) -> list[dict]:
+        """The trainers left out and not stopped yet (``leave_out``, no ``gone``)."""
+        out = []
+        for path in self.dir.glob("left.*"):
+            if not path.name.endswith(".tmp") and not (self.dir / f"gone.{path.name[5:]}").exists():
+                try:
+                    out.append(json.loads(path.read_text()))
+                except (OSError, ValueError):
+                    continue  # being written: the next poll reads it
+        return out
+
+    def gone(self, pid: int) -> None:
+        self._touch(f"gone.{pid}")
+
+    def wait_gone(self, index: int, pid: int, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        while not (self.dir / f"gone.{pid}").exists():
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"trainer {index} (pid {pid}) was left out of the quorum and the launcher did not stop it "
+                    f"within {timeout_s:g} s: no member goes on while it may still write a shard"
+                )
+            time.sleep(0.05)
 
     def wait_for(self, index: int, timeout_s: float = 600) -> None:
         """Until trainer ``index`` is up (the others of separate commands wait for trainer 0's folder)."""

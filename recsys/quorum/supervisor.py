@@ -30,7 +30,7 @@ FATAL_GRACE_S = 10.0  # once a trainer reported an error, the others get this lo
 
 def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: str) -> dict | None:
     """Run the trainers as replica groups until the run ends; -> rank 0's summary."""
-    from recsys.quorum.regroup import RunMarks, replica_main
+    from recsys.quorum.regroup import SUPERVISOR_ENV, RunMarks, replica_main
     from recsys.quorum.replica import Lighthouse, quiet_torchft
 
     quiet_torchft()
@@ -56,6 +56,7 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
     if lighthouse is not None:  # ``--inject lighthouse@WHEN`` kills it
         os.environ["RECSYS_LIGHTHOUSE_PID"] = str(lighthouse.proc.pid)
     specs_d = [s.__dict__.copy() for s in specs]
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())  # its trainers ask it to stop one left out (``fence_left``)
     procs: dict[int, multiprocessing.process.BaseProcess] = {}
 
     def start(i: int) -> None:
@@ -112,9 +113,29 @@ class _Supervisor:
         self.seen: dict[int, float] = {}  # trainer -> when its last death was met here
         self.started = time.time()
         self.ended_at: float | None = None
+        self.left: dict[int, float] = {}  # trainer -> the --trainer-timeout it was left out after
+
+    def stop_left_out(self) -> None:
+        """A trainer a quorum left out (alive, but silent past ``--trainer-timeout``: paused) is
+        killed here, recorded as a failure, and replaced as after a death; the members wait for it
+        to be gone (``recsys.quorum.regroup.fence_left``)."""
+        for rec in self.marks.left_out():
+            i, pid = rec["index"], rec["pid"]
+            p = self.procs.get(i)
+            if p is None or p.pid != pid or p.exitcode is not None:
+                self.marks.gone(pid)  # dead already (or never ours): nothing of it writes a shard
+                continue
+            if i not in self.left:
+                self.left[i] = rec["timeout_s"]
+                append_line(
+                    layout.trainer_failures_file(self.out),
+                    {"kind": "left-out", "rank": i, "step": rec["step"], "time": rec["silent_since"]},
+                )
+                p.kill()
 
     def reap(self) -> list[int]:
         """Trainers that exited since the last call met; -> the trainers to start again now."""
+        self.stop_left_out()
         for i, p in list(self.procs.items()):
             if p.exitcode is None:
                 continue
@@ -163,6 +184,8 @@ class _Supervisor:
             if code < 0 and -code in signal.Signals._value2member_map_
             else f"exit status {code}"
         )
+        if i in self.left:
+            why = f"left out: no answer within --trainer-timeout {self.left.pop(i):g} s, stopped here"
         if self.marks.has_ended():
             return  # the run ended meanwhile: a replacement has nothing left to do
         deaths = read_lines(layout.trainer_failures_file(self.out))
