@@ -12,7 +12,7 @@ ideal for the capacity left (the healthy run's figure x (W - 1 + 1/F) / W: every
 step), the ratio to it, the steps from the slowdown to the first plan that moved chunks, the last
 plan's chunks by rank, and whether the run ended on the healthy run's digest. ``--rounds N`` makes
 the healthy runs N times each, the order alternating, for what the plans cost without a straggler
-(the median ratio of balance on to off, and how many plans moved chunks there). One plot: samples/s against wall seconds for every run.
+(the median ratio of balance on to off, and how many plans moved chunks there). One plot: samples/s (over 20 steps) against wall seconds for every run.
 
     python scripts/bench_stragglers.py [--trainers 2,3] [--steps 200] [--slow-step 60] [--factor 2]
         [--chunks-per-trainer 3] [--balance-every 10] [--rounds 3] [--plot docs/bench-stragglers.png]
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+SMOOTH = 4  # the plot's rates are over this many log records (of 5 steps)
 
 
 def train(out: Path, args, trainers: int, balance: bool, slow: bool) -> dict:
@@ -108,13 +109,14 @@ def plot(rows: list[dict], args) -> None:
         ]
         if "healthy_curve" in r:
             curves.append((r["healthy_curve"], f"{r['trainers']} trainers, healthy"))
-        for el, label in curves:
+        for el, label in curves:  # over 20 steps (4 log records), at each record
             steps = sorted(el)
-            t = [el[s] for s in steps[1:]]
-            sps = [(b - a) * args.batch_size / (el[b] - el[a]) for a, b in zip(steps, steps[1:])]
+            pairs = list(zip(steps, steps[SMOOTH:]))
+            t = [el[b] for _, b in pairs]
+            sps = [(b - a) * args.batch_size / (el[b] - el[a]) for a, b in pairs]
             ax.plot(t, sps, label=label)
     ax.set_xlabel("wall seconds")
-    ax.set_ylabel("samples/s (between log records)")
+    ax.set_ylabel("samples/s (over the last 20 steps)")
     ax.set_title(f"trainer 1 slowed {args.factor:g}x from step {args.slow_step}")
     ax.legend(fontsize=7)
     fig.tight_layout()
