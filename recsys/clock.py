@@ -68,7 +68,7 @@ class StepClock:
 
 SLOW_RATIO = 1.5  # a trainer's compute a step over the others' median that counts as slow
 SLOW_RECORDS = 3  # in this many log records in a row: persistently slow, named once
-BALANCE_GAIN = 0.1  # chunks move only where the planned step is this much shorter than today's
+BALANCE_GAIN = 0.2  # chunks move only where the planned step is this much shorter than today's
 
 
 def plan_chunks(step_ms: list[float], counts: list[int], num_chunks: int) -> list[int] | None:

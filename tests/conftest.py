@@ -82,6 +82,7 @@ SLOWEST_FIRST = [
     "test_windows_groups",
     "test_train_through",
     "test_train_through_groups",
+    "test_stragglers",
     "test_ownership",
     "test_plugin",
     "test_examples",

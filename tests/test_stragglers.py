@@ -57,7 +57,7 @@ def test_a_bad_slowdown_is_refused_in_one_line(spec, message):
 def test_chunks_follow_speed_and_the_bits_stay(tmp_path):
     """2 trainers, 6 chunks: trainer 1 slowed 3x from step 5 trains fewer chunks from the first plan
     on (step 10), the plan in one line, ``metrics.jsonl`` and ``summary.json``; the digest is the
-    healthy run's, and without the plans (``--balance-every 0``) the same."""
+    healthy run's."""
     flags = [*FLAGS, "--chunks", "6", "--balance-every", "10"]
     healthy = train_cli(tmp_path / "healthy", *flags)
     out = tmp_path / "slow"
@@ -73,8 +73,6 @@ def test_chunks_follow_speed_and_the_bits_stay(tmp_path):
     assert proc.stderr.count("chunks follow speed") == len(plans), proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["chunks"] for r in records if "chunks" in r] == [p["chunks"] for p in plans]
-    still = train_cli(tmp_path / "still", *flags, "--balance-every", "0", "--inject", "slow-trainer:1:3@step=5")
-    assert still["chunk_plans"] == [] and still["embedding_digest"] == healthy["embedding_digest"]
 
 
 def test_the_chunk_plan_gives_the_slow_fewer_and_moves_nothing_on_noise():
