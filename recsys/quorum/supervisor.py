@@ -95,6 +95,15 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
             lighthouse.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` stands stopped (state T or t in ``/proc/PID/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _drain(results, summary: dict | None) -> dict | None:
     try:
         while True:
@@ -116,14 +125,16 @@ class _Supervisor:
         self.left: dict[int, float] = {}  # trainer -> the --trainer-timeout it was left out after
 
     def stop_left_out(self) -> None:
-        """A trainer a quorum left out (alive, but silent past ``--trainer-timeout``: paused) is
-        killed here, recorded as a failure, and replaced as after a death; the members wait for it
-        to be gone (``recsys.quorum.regroup.fence_left``)."""
+        """A trainer a quorum left out while its process stands stopped (SIGSTOP, a debugger, a frozen
+        container: silent past ``--trainer-timeout``) is killed here, before it can resume with its
+        old state, recorded as a failure, and replaced as after a death; the members wait for it to
+        be gone (``recsys.quorum.regroup.fence_left``). One that runs, late to see a death, is let
+        be: it asks for the next quorum, as before."""
         for rec in self.marks.left_out():
             i, pid = rec["index"], rec["pid"]
             p = self.procs.get(i)
-            if p is None or p.pid != pid or p.exitcode is not None:
-                self.marks.gone(pid)  # dead already (or never ours): nothing of it writes a shard
+            if p is None or p.pid != pid or p.exitcode is not None or not _stopped(pid):
+                self.marks.gone(pid)  # dead already, not ours, or running: the members go on
                 continue
             if i not in self.left:
                 self.left[i] = rec["timeout_s"]
