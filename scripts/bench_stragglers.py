@@ -10,7 +10,9 @@ chunks following speed (``--balance-every``) and with them fixed (``--balance-ev
 Columns: samples/s from the slow step to the end (``metrics.jsonl``'s ``elapsed_s`` at both), the
 ideal for the capacity left (the healthy run's figure x (W - 1 + 1/F) / W: every trainer busy all
 step), the ratio to it, the steps from the slowdown to the first plan that moved chunks, the last
-plan's chunks by rank, and whether the run ended on the healthy run's digest. ``--rounds N`` makes
+plan's chunks by rank, the compute skew (the slowest trainer's compute a step over the fastest's,
+median of the log records from 2 plans after the slowdown; the healthy run's beside it: 1.0 is every
+trainer busy as long), and whether the run ended on the healthy run's digest. ``--rounds N`` makes
 the healthy runs N times each, the order alternating, for what the plans cost without a straggler
 (the median ratio of balance on to off, and how many plans moved chunks there). One plot: samples/s (over 20 steps) against wall seconds for every run.
 
@@ -49,7 +51,15 @@ def train(out: Path, args, trainers: int, balance: bool, slow: bool) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary["elapsed"] = {r["step"]: r["elapsed_s"] for r in records if "elapsed_s" in r and "loss" in r}
+    summary["compute"] = {r["step"]: r["trainer_compute_ms"] for r in records if "trainer_compute_ms" in r}
     return summary
+
+
+def skew(summary: dict, start: int) -> float:
+    """The slowest trainer's compute a step over the fastest's, the median of the log records after
+    ``start`` (1.0: every trainer busy as long; the others wait for the slowest the rest)."""
+    ratios = [max(ms.values()) / min(ms.values()) for step, ms in summary["compute"].items() if step > start]
+    return float(np.median(ratios)) if ratios else float("nan")
 
 
 def rate(summary: dict, args, start: int) -> float:
@@ -86,6 +96,8 @@ def measure(args, tmp: Path) -> list[dict]:
                     "to_healthy": rate(s, args, args.slow_step) / base,
                     "steps_to_rebalance": (moved[0]["step"] - args.slow_step) if moved else None,
                     "last_chunks": s["chunk_plans"][-1]["chunks"] if s.get("chunk_plans") else None,
+                    "skew": skew(s, args.slow_step + 2 * args.balance_every),
+                    "healthy_skew": skew(healthy_off[0], args.slow_step + 2 * args.balance_every),
                     "digest_equal": s["embedding_digest"] == digest,
                     "healthy_on_over_off": cost,
                     "healthy_plans": [len(h.get("chunk_plans", [])) for h in healthy_on],
@@ -145,14 +157,15 @@ def main() -> None:
         rows = measure(args, Path(tmp))
     print(f"\nsteps={args.steps} batch={args.batch_size} slowed {args.factor:g}x from step {args.slow_step}\n")
     print("| trainers | chunks | samples/s from the slowdown | ideal | to ideal | to healthy | steps to rebalance "
-          "| last plan | digest = healthy |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| last plan | compute skew (healthy) | digest = healthy |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['trainers']} | {'follow speed' if r['balance'] else 'fixed'} | {r['samples_per_s']:,.0f} "
             f"| {r['ideal_samples_per_s']:,.0f} | {r['to_ideal']:.2f}x | {r['to_healthy']:.2f}x "
             f"| {r['steps_to_rebalance'] if r['steps_to_rebalance'] is not None else '-'} "
-            f"| {r['last_chunks'] or '-'} | {'yes' if r['digest_equal'] else 'NO'} |"
+            f"| {r['last_chunks'] or '-'} | {r['skew']:.2f} ({r['healthy_skew']:.2f}) "
+            f"| {'yes' if r['digest_equal'] else 'NO'} |"
         )
     for r in rows[::2]:
         cost = r["healthy_on_over_off"]
