@@ -74,8 +74,14 @@ def every_failure_fired_and_recorded(s: dict, injections: list[str], strategy: s
     shard_records = [f for f in s["failures"] if f["strategy"] == strategy]
     assert shard_records, msg
     recovered = {f["target"] for f in shard_records}
-    for spec in (injections[0], injections[1], injections[4]):
+    for spec in (injections[0], injections[4]):
         assert parse(spec) in recovered, msg
+    if parse(injections[1]) not in recovered:
+        # the trainer kill lands inside the 3 s stall: where the only trainer that was waiting on the
+        # stalled shard died in that wait, the others meet the shard only after it resumed (seed 2958)
+        (stall,) = [r for r in s["injected"] if r["spec"] == str(parse_injection(injections[1]))]
+        died = [f["step"] for f in s["failures"] if f["kind"] in ("trainer", "node") and f["strategy"] == trainers]
+        assert died and min(died) <= stall["step"] + 1, msg
     assert {s for s in range(3) if s % 2 == node} <= recovered, msg
     for f in shard_records:
         assert f["recovery_s"] >= 0 and f["restored_bytes"] > 0 and f["phase"], msg

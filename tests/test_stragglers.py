@@ -97,7 +97,7 @@ def test_a_trainer_stopped_past_the_timeout_is_left_out_replaced_and_the_bits_st
     at a new quorum; the launcher kills the stopped process before any shard moves (it never
     resumes to write with its old state), records a ``left-out`` failure and starts a replacement,
     which heals from the live peer. Digest equal to the run without the stop; ``verify`` exits 0."""
-    flags = [*FLAGS[:-2], "--trainers", "2", "--steps", "120", "--recovery", "log", "--trainer-recovery", "replace"]
+    flags = [*FLAGS[:-2], "--trainers", "2", "--steps", "60", "--recovery", "log", "--trainer-recovery", "replace"]
     healthy = train_cli(tmp_path / "healthy", *flags)
     out = tmp_path / "stopped"
     stop = ["--trainer-timeout", "3", "--inject", "stop-trainer:1@step=20:6"]
