@@ -8,7 +8,7 @@ seconds after training started, fired from a timer wherever the trainers are) or
 - ``shard:K@WHEN``          SIGKILL shard K (a shard reached only by URL: ``SHUTDOWN NOSAVE``)
 - ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds (by URL: ``CLIENT PAUSE``)
 - ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
-- ``stop-trainer:R@WHEN:SECS``  trainer R SIGSTOPs itself at the start of step N (a long GC, a swap
+- ``stop-trainer:R@WHEN:SECS``  trainer R SIGSTOPs itself (``step=N``: at the start of step N; a long GC, a swap
                             storm) and a helper process SIGCONTs it SECS seconds later
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
 - ``lighthouse@WHEN``        SIGKILL the run's torchft Lighthouse (``--trainer-recovery replace``): the

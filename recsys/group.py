@@ -64,8 +64,8 @@ class TorchDist:
 
 class TrainerGroup:
     """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
-    trained by trainer ``c % world_size``, until the chunks follow speed (``assign``). ``exact``: the dense gradients are gathered and summed in
-    chunk order (``reduce_dense``), not all-reduced by DDP. ``comm``: where the collectives run
+    trained by trainer ``c % world_size``, until the chunks follow speed (``assign``). ``exact``:
+    the dense gradients are gathered and summed in chunk order (``reduce_dense``), not all-reduced by DDP. ``comm``: where the collectives run
     (torch's default group; under ``--trainer-recovery replace`` the quorum's, ``recsys.quorum.replica``).
 
     ``own_chunk`` (``--dense-reduce allreduce`` under ``replace``, torchft's way): this trainer

@@ -93,6 +93,7 @@ def launch_replicas(cfg, urls: list[str], namespace: str, specs, start_method: s
             p.join(5)
         if lighthouse is not None:
             lighthouse.close()
+        os.environ.pop(SUPERVISOR_ENV, None)  # a later run of this process may have no supervisor
 
 
 def _stopped(pid: int) -> bool:
