@@ -30,7 +30,7 @@ def test_a_trainer_slowed_3x_is_named_measured_and_trains_the_same_bits(tmp_path
     assert slow["embedding_digest"] == healthy["embedding_digest"]
     assert healthy["slow_trainers"] == []
     (named,) = slow["slow_trainers"]
-    assert named["trainer"] == 1 and named["compute_ms"] > 2 * named["others_ms"], named
+    assert named["trainer"] == 1 and named["compute_ms"] > 1.5 * named["others_ms"], named  # the naming rule
     assert proc.stderr.count("trainer 1 is slow:") == 1, proc.stderr[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     speeds = {r["step"]: r["trainer_compute_ms"] for r in records if "trainer_compute_ms" in r}

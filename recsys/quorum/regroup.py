@@ -204,11 +204,11 @@ def train_replica(cfg, urls: list[str], namespace: str, specs, index: int, light
                 )
                 healed = _healed(q, namespace)
                 how = meeting(group, cfg, index, prev, q, live if live is not None else healed, replacement)
-                pids = fence_left(marks, how, pids, q.rank == 0, (at, detected, cfg.recovery.trainer_timeout))
+                pids = fence_left(marks, how, pids, q.quorum_id, (at, detected, cfg.recovery.trainer_timeout))
             except PeerLost:
                 if trainer is not None:
                     trainer.close()
-                prev, live, detected = q.members, None, time.time()
+                prev, live, detected = tuple(sorted({*(prev or ()), *q.members})), None, time.time()  # still left
                 q = _quorum(replica, 0)
                 continue
             except BaseException:
@@ -244,15 +244,17 @@ SUPERVISOR_ENV = "RECSYS_REPLICA_SUPERVISOR"  # set by the launcher's supervisor
 FENCE_S = 60.0  # the longest the members wait for the supervisor to stop a trainer left out
 
 
-def fence_left(marks: RunMarks, how: dict, pids: dict[int, int], says: bool, when: tuple) -> dict[int, int]:
-    """Trainers left out of this quorum (``how``: ``meeting``'s; their processes as of the last
-    quorum: ``pids``; -> this quorum's, taken out of ``how``) are stopped before any member touches a shard: one that was only paused (SIGSTOP, a long GC, a
-    swap storm) past ``--trainer-timeout`` must never resume to write a shard or commit a step with
-    the state it had. ``when``: the step the quorum broke in, when, and ``--trainer-timeout``. ``says``
-    (the quorum's rank 0) asks the launcher's supervisor to stop it, and
-    every member waits until it is gone; the supervisor starts its replacement as after a death, and
-    that one joins at a quorum, healed from a peer. Trainers launched as separate commands
-    (``--trainer-index``) have no supervisor to stop a paused one: there nothing fences it."""
+def fence_left(marks: RunMarks, how: dict, pids: dict[int, int], quorum_id: int, when: tuple) -> dict[int, int]:
+    """Trainers left out of quorum ``quorum_id`` (``how``: ``meeting``'s; their processes as of this
+    member's last quorum: ``pids``; -> this quorum's, taken out of ``how``) whose process stands
+    stopped (SIGSTOP, a debugger, a frozen container) past ``--trainer-timeout`` are killed before any
+    member touches a shard: such a one must never resume to write a shard or commit a step with the
+    state it had. ``when``: the step the quorum broke in, when, and ``--trainer-timeout``. Every member
+    that knows the process asks the launcher's supervisor (the same record, whoever writes it) and
+    every such member waits until the supervisor has judged it; the supervisor starts a replacement
+    as after a death, and that one joins at a quorum, healed from a peer. A left-out trainer that
+    runs (late to see a death) is let be. Trainers launched as separate commands (``--trainer-index``)
+    have no supervisor: nothing fences a paused one there."""
     now = how.pop("pids")
     if not os.environ.get(SUPERVISOR_ENV):
         return now
@@ -260,9 +262,8 @@ def fence_left(marks: RunMarks, how: dict, pids: dict[int, int], says: bool, whe
         pid = pids.get(i)
         if pid is None or pid == os.getpid():
             continue
-        if says:
-            marks.leave_out(i, pid, *when)
-        marks.wait_gone(i, pid, FENCE_S)
+        marks.leave_out(i, pid, quorum_id, *when)
+        marks.wait_gone(i, pid, quorum_id, FENCE_S)
     return now
 
 
@@ -378,16 +379,16 @@ class RunMarks:
     def has_ended(self) -> bool:
         return (self.dir / "ended").exists()
 
-    def leave_out(self, index: int, pid: int, step: int, broke: float, timeout_s: float) -> None:
-        """Trainer ``index`` (process ``pid``) was left out of a quorum that broke in ``step`` at
-        ``broke`` (its last answer ``timeout_s`` before): the supervisor stops it."""
+    def leave_out(self, index: int, pid: int, quorum_id: int, step: int, broke: float, timeout_s: float) -> None:
+        """Trainer ``index`` (process ``pid``) was left out of quorum ``quorum_id``, which broke in
+        ``step`` at ``broke`` (its last answer ``timeout_s`` before): the supervisor judges it."""
         self.dir.mkdir(parents=True, exist_ok=True)
         silent = broke - timeout_s if broke else time.time()
-        rec = {"index": index, "pid": pid, "step": step or None, "silent_since": silent, "timeout_s": timeout_s}
-        write_atomic(self.dir / f"left.{pid}", json.dumps(rec).encode())
+        rec = {"index": index, "pid": pid, "quorum_id": quorum_id, "step": step or None, "silent_since": silent}
+        write_atomic(self.dir / f"left.{quorum_id}.{pid}", json.dumps({**rec, "timeout_s": timeout_s}).encode())
 
     def left_out(self) -> list[dict]:
-        """The trainers left out and not stopped yet (``leave_out``, no ``gone``)."""
+        """The trainers left out and not judged yet (``leave_out``, no ``gone``)."""
         out = []
         for path in self.dir.glob("left.*"):
             if not path.name.endswith(".tmp") and not (self.dir / f"gone.{path.name[5:]}").exists():
@@ -397,16 +398,16 @@ class RunMarks:
                     continue  # being written: the next poll reads it
         return out
 
-    def gone(self, pid: int) -> None:
-        self._touch(f"gone.{pid}")
+    def gone(self, quorum_id: int, pid: int) -> None:
+        self._touch(f"gone.{quorum_id}.{pid}")
 
-    def wait_gone(self, index: int, pid: int, timeout_s: float) -> None:
+    def wait_gone(self, index: int, pid: int, quorum_id: int, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
-        while not (self.dir / f"gone.{pid}").exists():
+        while not (self.dir / f"gone.{quorum_id}.{pid}").exists():
             if time.time() > deadline:
                 raise RuntimeError(
-                    f"trainer {index} (pid {pid}) was left out of the quorum and the launcher did not stop it "
-                    f"within {timeout_s:g} s: no member goes on while it may still write a shard"
+                    f"trainer {index} (pid {pid}) was left out of quorum {quorum_id} and the launcher did not judge "
+                    f"it within {timeout_s:g} s: no member goes on while it may still write a shard"
                 )
             time.sleep(0.05)
 

@@ -135,7 +135,7 @@ class _Supervisor:
             i, pid = rec["index"], rec["pid"]
             p = self.procs.get(i)
             if p is None or p.pid != pid or p.exitcode is not None or not _stopped(pid):
-                self.marks.gone(pid)  # dead already, not ours, or running: the members go on
+                self.marks.gone(rec["quorum_id"], pid)  # dead already, not ours, or running: the members go on
                 continue
             if i not in self.left:
                 self.left[i] = rec["timeout_s"]
