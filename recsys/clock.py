@@ -67,7 +67,7 @@ class StepClock:
 
 
 SLOW_RATIO = 1.5  # a trainer's compute a step over the others' median that counts as slow
-SLOW_RECORDS = 3  # in this many log records in a row: persistently slow, named once
+SLOW_RECORDS = 5  # in this many log records in a row: persistently slow, named once
 BALANCE_GAIN = 0.2  # chunks move only where the planned step is this much shorter than today's
 
 
