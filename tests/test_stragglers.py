@@ -19,14 +19,17 @@ FLAGS = [
 ]  # fmt: skip
 
 
+def run_cli(out, *flags: str) -> tuple[object, dict]:
+    """``python -m recsys train`` with its stderr kept (the lines a test reads): -> (process, summary)."""
+    proc = procs.run(["-m", "recsys", "train", *flags, "--out", str(out)], timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc, json.loads((out / "summary.json").read_text())
+
+
 def test_a_trainer_slowed_3x_is_named_measured_and_trains_the_same_bits(tmp_path):
     healthy = train_cli(tmp_path / "healthy", *FLAGS)
     out = tmp_path / "slow"
-    proc = procs.run(
-        ["-m", "recsys", "train", *FLAGS, "--inject", "slow-trainer:1:3@step=7", "--out", str(out)], timeout=300
-    )
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    slow = json.loads((out / "summary.json").read_text())
+    proc, slow = run_cli(out, *FLAGS, "--inject", "slow-trainer:1:3@step=7")
     assert slow["embedding_digest"] == healthy["embedding_digest"]
     assert healthy["slow_trainers"] == []
     (named,) = slow["slow_trainers"]
@@ -61,11 +64,7 @@ def test_chunks_follow_speed_and_the_bits_stay(tmp_path):
     flags = [*FLAGS, "--chunks", "6", "--balance-every", "10"]
     healthy = train_cli(tmp_path / "healthy", *flags)
     out = tmp_path / "slow"
-    proc = procs.run(
-        ["-m", "recsys", "train", *flags, "--inject", "slow-trainer:1:3@step=5", "--out", str(out)], timeout=300
-    )
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    slow = json.loads((out / "summary.json").read_text())
+    proc, slow = run_cli(out, *flags, "--inject", "slow-trainer:1:3@step=5")
     assert slow["embedding_digest"] == healthy["embedding_digest"]
     plans = slow["chunk_plans"]
     assert plans and plans[0]["step"] == 10, plans
@@ -101,9 +100,7 @@ def test_a_trainer_stopped_past_the_timeout_is_left_out_replaced_and_the_bits_st
     healthy = train_cli(tmp_path / "healthy", *flags)
     out = tmp_path / "stopped"
     stop = ["--trainer-timeout", "3", "--inject", "stop-trainer:1@step=20:6"]
-    proc = procs.run(["-m", "recsys", "train", *flags, *stop, "--out", str(out)], timeout=300)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
+    proc, s = run_cli(out, *flags, *stop)
     assert s["embedding_digest"] == healthy["embedding_digest"]
     (rec,) = s["failures"]
     assert rec["kind"] == "left-out" and rec["target"] == 1 and rec["step"] == 20, rec
