@@ -12,6 +12,29 @@ from tqdm import tqdm
 WARMUP_STEPS = 10  # steps before the step time is steady: throughput counts after them, the auto planner measures them
 
 
+class Collectives:
+    """Seconds this process spent in the trainers' collectives (the transfer, and the wait for the
+    slowest trainer to arrive), and how many: ``summary.json``'s ``collectives_ms`` (rank 0's)."""
+
+    seconds = 0.0
+    calls = 0
+
+    @classmethod
+    def timed(cls, fn):
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            cls.seconds += time.perf_counter() - t
+            cls.calls += 1
+
+    @classmethod
+    def per_step(cls, steps: int) -> dict[str, float]:
+        """ms and calls a step, over the run's steps."""
+        n = max(1, steps)
+        return {"ms": round(1000 * cls.seconds / n, 2), "calls": round(cls.calls / n, 2)}
+
+
 def thread_sched() -> tuple[float, float, float] | None:
     """(wall clock, seconds on a CPU, seconds runnable but waiting for a CPU) of the calling thread,
     from Linux's ``/proc/thread-self/schedstat``; None where there is none."""

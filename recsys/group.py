@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from embeddings.shard_map import ShardMap
 from recovery.protocol import Collective
+from recsys.clock import Collectives
 
 
 @dataclass
@@ -50,16 +51,16 @@ class TorchDist:
     """The collectives on torch's default process group (the launcher's or torchrun's)."""
 
     def barrier(self) -> None:
-        dist.barrier()
+        Collectives.timed(dist.barrier)
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-        dist.all_reduce(t, op=op)
+        Collectives.timed(lambda: dist.all_reduce(t, op=op))
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
-        dist.broadcast(t, src=src)
+        Collectives.timed(lambda: dist.broadcast(t, src=src))
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
-        dist.all_gather(out, t)
+        Collectives.timed(lambda: dist.all_gather(out, t))
 
 
 class TrainerGroup:

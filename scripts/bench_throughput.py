@@ -33,7 +33,9 @@ by default, while the reference still trains from pre-built batches.
 ``--pairs N``: then N rounds, each the fused engine (in the plain loop and inside the project's
 loop) and the tier's goal configuration (1 trainer, 2 shards; with its defaults, and with
 ``--write-every K``) measured back to back, in alternating order; the ratio of each round (to the
-faster fused figure) and their medians. On a shared machine
+faster fused figure) and their medians. Each round also runs the fused engine in the project's loop
+with the torch threads the tier gets (``--threads``' default: the cores its local Redis servers leave),
+and gives the tier's ratio to it: the tier's own work apart from the cores its servers take. On a shared machine
 whose speed moves over minutes, a round's figures see the same machine.
 
 ``--sweep 100000,1000000,10000000``: only the table-size sweep: rows per table against samples/s
@@ -66,6 +68,7 @@ beside them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -553,6 +556,16 @@ def tier_row(label: str, shards: int, trainers: int, prefetch: str, summary: dic
     return (label, shards, trainers, prefetch, tput(summary), step_parts(summary), summary["throughput_samples_per_s"])
 
 
+def same_threads(cfg: RunConfig) -> RunConfig:
+    """``cfg`` (the fused engine in the project's loop) at the torch threads the tier's goal
+    configuration (1 trainer, 2 local shards) gets by default."""
+    from recsys.trainer import torch_threads
+
+    tier = dataclasses.replace(cfg.embeddings, embeddings="redis", shards=2, redis="local")
+    cfg.train.threads = torch_threads(dataclasses.replace(cfg, embeddings=tier), 1)
+    return cfg
+
+
 def pair_rounds(args, tmp: str) -> tuple[list, list]:
     """``--pairs`` rounds, each the fused engine (in the plain loop and inside the project's loop)
     and the tier's goal configuration measured back to back, in alternating order.
@@ -565,6 +578,12 @@ def pair_rounds(args, tmp: str) -> tuple[list, list]:
             lambda i=i: tput(run(config(args, Path(tmp) / f"pair-local-{i}", "local", 1, False, 1))),
             lambda i=i: run(config(args, Path(tmp) / f"pair-{i}", "redis", 2, False, 1)),
         ]
+        # the fused engine in the project's loop with the tier's torch threads (its cores less its servers'):
+        # the tier's own work apart from the cores its Redis servers take
+        same = len(measures)
+        measures.append(
+            lambda i=i: tput(run(same_threads(config(args, Path(tmp) / f"pair-local-t-{i}", "local", 1, False, 1))))
+        )
         if k:
             measures.append(
                 lambda i=i: run(config(args, Path(tmp) / f"pair-w{k}-{i}", "redis", 2, False, 1, write_every=k))
@@ -579,9 +598,18 @@ def pair_rounds(args, tmp: str) -> tuple[list, list]:
         n = len(measures)
         order = range(n) if i % 2 == 0 else range(n - 1, -1, -1)
         got = {j: measures[j]() for j in order}
-        pairs.append((got[0], got[1], tput(got[2]), tput(got[3]) if k else None, tput(got[n - 1]) if also else None))
+        pairs.append(
+            (
+                got[0],
+                got[1],
+                tput(got[2]),
+                tput(got[same + 1]) if k else None,
+                tput(got[n - 1]) if also else None,
+                got[same],
+            )
+        )
         threads.append(
-            [g.get("training_thread_ms") or {} for g in (got[2], got.get(3) if k else None) if g is not None]
+            [g.get("training_thread_ms") or {} for g in (got[2], got.get(same + 1) if k else None) if g is not None]
         )
     return pairs, threads
 
@@ -680,15 +708,15 @@ def print_pairs(args, pairs: list, threads: list) -> None:
     )
     print(
         "\n| round | order | fused, plain loop | fused, project's loop | tier (1 trainer, 2 shards, defaults) "
-        "| x fused (faster) | "
+        "| x fused (faster) | fused, project's loop, the tier's threads | tier x that | "
         + "".join(f"{c} | " for c in win)
         + "tier's training thread on_cpu / runnable / blocked (ms/step)"
         + (f" (defaults; --write-every {k})" if win else "")
         + " |"
     )
-    print("|---" * (7 + len(win)) + "|")
-    names = ["plain", "loop", "tier"] + ([f"w{k}"] if k else []) + ([also] if also else [])
-    for i, ((plain, local, tier, window, other), ths) in enumerate(zip(pairs, threads)):
+    print("|---" * (9 + len(win)) + "|")
+    names = ["plain", "loop", "tier", "loop-threads"] + ([f"w{k}"] if k else []) + ([also] if also else [])
+    for i, ((plain, local, tier, window, other, same), ths) in enumerate(zip(pairs, threads)):
         order = ", ".join(names if i % 2 == 0 else names[::-1])
         split = "; ".join(" / ".join(str(th[c]) for c in ("on_cpu", "runnable", "blocked")) for th in ths if th)
         best = max(plain, local)
@@ -696,7 +724,8 @@ def print_pairs(args, pairs: list, threads: list) -> None:
             f"{other:,.0f} | {other / best:.2f}x | " if also else ""
         )
         print(
-            f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | {extra}{split} |"
+            f"| {i + 1} | {order} | {plain:,.0f} | {local:,.0f} | {tier:,.0f} | {tier / best:.2f}x | "
+            f"{same:,.0f} | {tier / same:.2f}x | {extra}{split} |"
         )
     for what, at in (
         [("tier, defaults", 2)]
@@ -708,6 +737,11 @@ def print_pairs(args, pairs: list, threads: list) -> None:
             f"\n{what}: median of {len(pairs)} rounds {float(np.median(ratios)):.2f}x "
             f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
         )
+    ratios = sorted(r[2] / r[5] for r in pairs)
+    print(
+        f"\ntier, defaults, against the fused engine in the project's loop at the tier's threads: median of "
+        f"{len(pairs)} rounds {float(np.median(ratios)):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

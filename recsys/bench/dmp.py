@@ -171,7 +171,8 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
     ``make_cfg(w, round)``: the tier's ``RunConfig`` at ``args.batch_size``; ``run_tier(cfg)``: its
     run's summary; ``fused()``: torchrec's fused engine in one process (samples/s), measured in
     each round of W = 1 too. -> W -> {"dmp": [samples/s], "tier": [samples/s], "fused": [samples/s]
-    (W = 1), "parts": the tier's last ``step_ms``, "dmp_ms": [...], "batch": the global batch}."""
+    (W = 1), "parts": the tier's last ``step_ms``, "collectives": its last ``collectives_ms``, "dmp_ms": [...],
+    "batch": the global batch}."""
 
     out: dict[int, dict] = {}
     for w in [int(x) for x in args.dmp.split(",")]:
@@ -195,6 +196,7 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
                         summary["throughput_after_warmup_samples_per_s"] or summary["throughput_samples_per_s"]
                     )
                     got["parts"] = summary["step_ms"]
+                    got["collectives"] = summary.get("collectives_ms") or {}
             print(
                 f"W={w} round {i + 1}: tier {got['tier'][-1]:,.0f}, DMP {got['dmp'][-1]:,.0f} samples/s",
                 file=sys.stderr,
@@ -241,14 +243,16 @@ def print_dmp(args, got: dict[int, dict]) -> None:
     parts = ["quorum", "rows_in", "data", "compute", "rows_out", "waiting", "after"]
     print(
         "| W | global batch | tier samples/s per round | DMP samples/s per round | tier / DMP per round | median | "
-        "DMP step (ms) | tier " + " / ".join(parts) + " (ms/step) |"
+        "DMP step (ms) | tier " + " / ".join(parts) + " (ms/step) | of which in collectives, ms (calls) a step |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     medians = {}
     for w, g in got.items():
         ratios = [t / d for t, d in zip(g["tier"], g["dmp"])]
         medians[w] = (float(np.median(g["tier"])), float(np.median(g["dmp"])), float(np.median(ratios)))
         cells = " / ".join(str(g["parts"].get(k, "-")) for k in parts)
+        c = g.get("collectives") or {}
+        cells += f" | {c['ms']} ({c['calls']})" if c else " | -"
         print(
             f"| {w} | {g['batch']} | {', '.join(f'{x:,.0f}' for x in g['tier'])} | {', '.join(f'{x:,.0f}' for x in g['dmp'])} | "
             f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "

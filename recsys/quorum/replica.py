@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from recsys.clock import Collectives
+
 HEARTBEAT_S = 0.05
 HEARTBEAT_TIMEOUT_S = 0.25
 QUORUM_TICK_MS = 10
@@ -177,7 +179,7 @@ class QuorumComm:
 
     def _wait(self, what: str, start: Callable[[], object]) -> None:
         try:
-            start().wait()  # type: ignore[attr-defined]
+            Collectives.timed(lambda: start().wait())  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - gloo's errors: connection closed, timed out
             raise PeerLost(f"{what} on the trainers' quorum failed: {str(e).splitlines()[0][:200]}") from None
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recovery.accounting import pls
+from recsys.clock import Collectives
 
 
 def peak_rss_mb() -> float:
@@ -155,6 +156,8 @@ def run_summary(
         "step_ms": clock.per_step_ms(steps),
         # after the warm-up: the training thread on a CPU, runnable but off one, blocked
         "training_thread_ms": clock.thread_ms(),
+        # rank 0's time in the trainers' collectives (within the parts above), ms and calls a step
+        "collectives_ms": Collectives.per_step(steps) if world_size > 1 else None,
         "dense_saves": dense_saves,
         "dense_save_seconds": round(dense_save_seconds, 4),
         **backend_stats,
