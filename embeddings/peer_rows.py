@@ -24,7 +24,7 @@ import torch
 
 from embeddings import rowkeys
 from embeddings.optim import RowOptimizer
-from embeddings.store.row_cache import UNKNOWN, HeldRows, RowCache
+from embeddings.store.row_cache import ABSENT, UNKNOWN, HeldRows, RowCache
 from embeddings.store.row_space import RowSpace
 
 
@@ -42,6 +42,9 @@ class PeerRows(HeldRows):
             self._fresh = set()
             self._written = None
             self.complete = False
+            # the rows held as never written (a fresh run's prefill) too: their writer may have
+            # written them where no update reached this cache
+            self.state[self.state == ABSENT] = UNKNOWN
 
     def assume_fresh(self, shards: set[int]) -> None:
         super().assume_fresh(shards)
@@ -96,6 +99,8 @@ class PeerFront:
         peers = self.cache.peers
         if peers is None or not peers.capacity or not len(keys):
             return 0
+        if peers.complete and peers.direct:  # every row of theirs kept or known never written, for good
+            return 0
         theirs = np.isin(shards, list(peers.shards))
         k = keys[theirs] if not theirs.all() else keys
         if not len(k):
@@ -136,6 +141,10 @@ class PeerFront:
         writer applied it; the others are known written from now on."""
         peers = self.cache.peers
         if peers is None or not peers.capacity or not len(keys):
+            return
+        current = peers.read_keys(keys)
+        if current is not None:  # every row kept or known never written (the usual step): one gather, one write
+            peers.put_keys(keys, self.optimizer.apply(torch.from_numpy(current), grads, step).numpy(), step)
             return
         pos, rows, absent = peers.lookup_keys(keys)
         if len(absent):

@@ -115,6 +115,11 @@ class RowReads:
         last = self._last_held_read
         if last is not None and last[0] == held.version and (last[1] is keys or np.array_equal(last[1], keys)):
             return last[2]  # a step's update reads the rows its stage read, unchanged since: no second gather
+        peers = self.cache.peers
+        if peers is not None:  # several trainers: this trainer's rows and the peer rows (the usual step)
+            rows = held.read_split(keys, peers)
+            if rows is not None:
+                return rows
         version = held.version
         rows = held.read_keys(keys)  # every row held or never written (the usual step): one gather
         if rows is not None:
@@ -127,7 +132,6 @@ class RowReads:
             return rows
         out = np.empty((len(keys), sp.width(t0)), np.float32)
         out[pos] = rows
-        peers = self.cache.peers
         if peers is not None and peers.capacity:  # rows of the other trainers' shards kept here
             idx = _unfound(len(keys), pos, absent)
             ppos, prows, pabsent = peers.lookup_keys(keys[idx])

@@ -206,6 +206,34 @@ class HeldRows(RowSlots):
             self.lookups += len(keys)
             return rows
 
+    def read_split(self, keys: np.ndarray, other: HeldRows) -> np.ndarray | None:
+        """Rows [n, width] of packed keys, each in its slot here or in ``other`` (the peer rows: the
+        other shards' rows of the same tables), when both hold every row of their shards (direct)
+        and every one is held or known never written: one gather from each, no look-up by state or
+        owner; None when any is not (the general path answers)."""
+        if not (self._direct and other._direct and self.capacity and other.capacity and len(keys)):
+            return None
+        if other.width != self.width or not np.array_equal(other._key_offset, self._key_offset):
+            return None
+        flat = self._flat(keys)
+        with self.lock:
+            mine = self.key[flat] == keys
+            if bool((self.state[flat[mine]] == UNKNOWN).any()):
+                return None
+            rows = np.take(self.rows, flat, axis=0)
+            self.hits += int(mine.sum())
+            self.lookups += len(keys)
+        theirs = np.flatnonzero(~mine)
+        if len(theirs):
+            at = flat[theirs]
+            with other.lock:
+                if not bool(np.all(other.key[at] == keys[theirs])) or bool((other.state[at] == UNKNOWN).any()):
+                    return None
+                rows[theirs] = np.take(other.rows, at, axis=0)
+                other.hits += len(theirs)
+                other.lookups += len(theirs)
+        return rows
+
     def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """A copy of the rows of packed keys, when every one is held (not counted as a read: the
         rows go to their shards); else None."""
@@ -331,7 +359,7 @@ class HeldRows(RowSlots):
             self._fresh = set(shards)
             if self._written is None:
                 self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
-            every = self._every_shard and self._fresh >= self.shards
+            every = self._fresh >= self.shards  # every shard of this cache's (one trainer's, or its peers')
             if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 
@@ -366,16 +394,21 @@ class HeldRows(RowSlots):
             return True
 
     def _prefill(self) -> None:
-        """Every row fits and none was ever written (a fresh run whose every shard this writer
-        writes): each free slot takes its row's initial value now, known never written, as an engine
-        that allocates its tables initialises them, so that no step computes a row's initial value
-        on its path (under ``_lock``). Up to ``PREFILL_MAX_ROWS`` rows: beyond, the run's start would
-        wait for minutes, and the rows are initialised as steps first read them."""
+        """Every row fits and none of its shards' was ever written (a fresh run; the shards this
+        writer writes, or with several trainers the others' shards kept here as peer rows): each
+        free slot of a row of those shards takes its row's initial value now, known never written,
+        as an engine that allocates its tables initialises them, so that no step computes a row's
+        initial value, or asks whether it was ever written, on its path (under ``_lock``). Up to
+        ``PREFILL_MAX_ROWS`` rows: beyond, the run's start would wait for minutes, and the rows are
+        initialised as steps first read them."""
         num_rows = [spec.num_rows for spec in self._tables.specs]
+        mine = None if self._every_shard else np.array(sorted(self.shards), np.int16)
         for t in np.flatnonzero(self._held).tolist():
             for lo in range(0, num_rows[t], PREFILL_ROWS):
                 ids = np.arange(lo, min(num_rows[t], lo + PREFILL_ROWS), dtype=np.int64)
                 free = self.state[self._base[t] + ids] == FREE
+                if mine is not None:  # only its shards' rows: another shard's row is no business of this cache
+                    free &= np.isin(self._owners(rowkeys.pack(t, ids)), mine)
                 keys = rowkeys.pack(t, ids if free.all() else ids[free])
                 n = len(keys)
                 self._admit(keys, None, ABSENT, np.full(n, -1, np.int32), np.full(n, NEVER, np.int32), False)

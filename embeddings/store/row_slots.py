@@ -143,6 +143,11 @@ class RowSlots:
             self.version += 1
 
     @property
+    def direct(self) -> bool:
+        """Every row fits: a row's slot is its position (nothing is ever evicted)."""
+        return self._direct
+
+    @property
     def used(self) -> int:
         return self.capacity - self._nfree
 

@@ -165,10 +165,10 @@ class RowWrites:
         ``pin``: an open window's, not on their shards until it is written (``HeldRows.unpin``)."""
         held = self.cache.held
         if held is not None:
-            if len(held.shards) < len(self.links.clients):
-                mine = np.isin(shards, list(held.shards))
+            mine = np.isin(shards, list(held.shards)) if len(held.shards) < len(self.links.clients) else None
+            if mine is not None and not mine.all():
                 held.put_keys(keys[mine], rows[mine], step, pin)
-            else:  # one writer of every shard: no mask, no copy
+            else:  # every row of a held shard (one writer of them all, or this trainer's rows): no copy
                 held.put_keys(keys, rows, step, pin)
 
     def join_behind(self) -> dict[int, ShardUnavailableError]:
