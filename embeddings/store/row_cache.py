@@ -206,34 +206,6 @@ class HeldRows(RowSlots):
             self.lookups += len(keys)
             return rows
 
-    def read_split(self, keys: np.ndarray, other: HeldRows) -> np.ndarray | None:
-        """Rows [n, width] of packed keys, each in its slot here or in ``other`` (the peer rows: the
-        other shards' rows of the same tables), when both hold every row of their shards (direct)
-        and every one is held or known never written: one gather from each, no look-up by state or
-        owner; None when any is not (the general path answers)."""
-        if not (self._direct and other._direct and self.capacity and other.capacity and len(keys)):
-            return None
-        if other.width != self.width or not np.array_equal(other._key_offset, self._key_offset):
-            return None
-        flat = self._flat(keys)
-        with self.lock:
-            mine = self.key[flat] == keys
-            if bool((self.state[flat[mine]] == UNKNOWN).any()):
-                return None
-            rows = np.take(self.rows, flat, axis=0)
-            self.hits += int(mine.sum())
-            self.lookups += len(keys)
-        theirs = np.flatnonzero(~mine)
-        if len(theirs):
-            at = flat[theirs]
-            with other.lock:
-                if not bool(np.all(other.key[at] == keys[theirs])) or bool((other.state[at] == UNKNOWN).any()):
-                    return None
-                rows[theirs] = np.take(other.rows, at, axis=0)
-                other.hits += len(theirs)
-                other.lookups += len(theirs)
-        return rows
-
     def copy_rows(self, keys: np.ndarray) -> np.ndarray | None:
         """A copy of the rows of packed keys, when every one is held (not counted as a read: the
         rows go to their shards); else None."""
