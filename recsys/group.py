@@ -233,13 +233,15 @@ class TrainerGroup:
         most, n = max(counts), len(keys)
         # one collective for both: each row its key's two 32-bit words, then its gradient's bits (int32
         # throughout: the bytes are moved, never converted)
-        pad = torch.zeros((most, 2 + grads.shape[1]), dtype=torch.int32)
+        # (the padding rows are never read: no fill)
+        pad = torch.empty((most, 2 + grads.shape[1]), dtype=torch.int32)
         pad[:n, :2] = keys.contiguous().view(torch.int32).view(n, 2)
         pad[:n, 2:] = grads.contiguous().view(torch.int32)
         parts = [torch.empty_like(pad) for _ in range(world_size)]
         self.comm.all_gather(parts, pad)
-        rows = torch.cat([p[:c] for p, c in zip(parts, counts)])
-        return rows[:, :2].contiguous().view(torch.int64).view(-1), rows[:, 2:].contiguous().view(torch.float32)
+        # each column block joined once, straight from the gathered rows (one copy each)
+        k = torch.cat([p[:c, :2] for p, c in zip(parts, counts)]).view(torch.int64).view(-1)
+        return k, torch.cat([p[:c, 2:] for p, c in zip(parts, counts)]).view(torch.float32)
 
     def reduce_dense(self, params: list[torch.nn.Parameter], flats: list[torch.Tensor]) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
