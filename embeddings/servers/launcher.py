@@ -40,6 +40,13 @@ from embeddings.net.endpoints import one_try
 from embeddings.store.buckets import LISTPACK_ENTRIES, LISTPACK_VALUE
 
 _PR_SET_PDEATHSIG = 1
+# A local server runs this much nicer than the trainers that start it. Its work is mostly behind
+# (the write-behind's windows): where it and a trainer's training thread want the same core, the
+# training thread goes first, and the server takes the core when that thread waits. One trainer on
+# 2 cores with 2 servers: 60,250 -> 65,500 samples/s (median of 4 alternating rounds), the
+# training thread runnable but off a core 1.3-1.8 -> 0.6-0.8 ms a step. A user's servers (by URL)
+# are never touched.
+SERVER_NICE = 10
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
 
 
@@ -95,6 +102,8 @@ class ShardSpec:
     huge_pages: bool = False
     """The server's memory in 2 MB pages (jemalloc ``thp:always``, ``disable-thp no``): fewer TLB
     misses in a big key space, where a write costs the server cache and TLB misses, not bytes."""
+    nice: int = SERVER_NICE
+    """The server's scheduling priority, below its trainers' (0: theirs; see ``SERVER_NICE``)."""
 
     @property
     def rdb_path(self) -> Path:
@@ -209,6 +218,11 @@ def spawn_shard(spec: ShardSpec, *, die_with_parent: bool, timeout_s: float = 30
     if not ok:
         _stop_process(proc)
         raise LauncherError(f"shard {spec.index} on {spec.host}:{spec.port} did not start: {why}")
+    if spec.nice:
+        try:  # only ever lowered: no privilege needed, and a server that is gone already is let be
+            os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + spec.nice)
+        except OSError:
+            pass
     return proc
 
 
