@@ -144,6 +144,56 @@ def test_a_fresh_cache_that_fits_every_row_holds_each_at_its_initial_value_befor
     assert bounded.hits == 2
 
 
+def test_two_trainers_caches_each_prefill_their_shards_and_a_stage_reads_one_gather_from_each():
+    from embeddings.peer_rows import PeerRows
+    from embeddings.store.row_slots import UNKNOWN
+
+    specs = TableSet([TableSpec("a", 500, 3), TableSpec("b", 300, 3)])
+
+    def init(keys):
+        return np.repeat((keys % 1009).astype(np.float32)[:, None], 4, axis=1)
+
+    def owners(keys):  # shard of a packed key: its row id's parity
+        return (keys & 1).astype(np.int16)
+
+    own = HeldRows(specs, [4, 4], {0}, 1 << 20, init=init, owner_of_keys=owners, num_shards=2)
+    peers = PeerRows(specs, [4, 4], {1}, 1 << 20, init=init, owner_of_keys=owners, num_shards=2)
+    own.assume_fresh({0})
+    peers.assume_fresh({0, 1})
+    keys = np.concatenate([pack(0, np.arange(500)), pack(1, np.arange(300))])
+    even = (keys & 1) == 0
+    # each holds its own shard's rows at their initial values, known never written, and no other
+    assert own.used == even.sum() and peers.used == (~even).sum()
+    assert (own.state_of(keys[even]) == ABSENT).all() and (peers.state_of(keys[~even]) == ABSENT).all()
+    np.testing.assert_array_equal(own.read_split(keys, peers), init(keys))
+    # a write of each lands in its own cache, and the split read sees both
+    own.put_keys(keys[:2][even[:2]], np.full((1, 4), 5.0, np.float32), step=1)
+    peers.put_keys(keys[:2][~even[:2]], np.full((1, 4), 6.0, np.float32), step=1)
+    want = init(keys)
+    want[0], want[1] = 5.0, 6.0
+    np.testing.assert_array_equal(own.read_split(keys, peers), want)
+    # the peer rows forgotten (a restore behind the steps): the prefilled rows are no longer known never
+    # written either (their writer may have written them), so the split read gives way to the general path
+    peers.restores.clear()  # as ``RowCache.drop_peers`` forgets them
+    peers.forget_fresh()
+    assert (peers.state[peers.state != 0] == UNKNOWN).all() and peers.used == (~even).sum()
+    assert own.read_split(keys, peers) is None
+    assert own.read_split(keys[even], peers) is not None  # the trainer's own rows stand
+
+
+def test_the_gathered_keys_joined_by_a_stable_sort_are_torch_unique():
+    import torch
+
+    from recsys.group import unique_runs
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        runs = [np.unique(rng.integers(0, 2000, rng.integers(0, 400))) for _ in range(rng.integers(1, 4))]
+        k = torch.from_numpy(np.concatenate(runs).astype(np.int64))
+        got, want = unique_runs(k), torch.unique(k, return_inverse=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_cache_built_again_in_its_process_takes_the_released_arrays_and_holds_nothing_of_them():
     from embeddings.store import row_slots
 

@@ -40,7 +40,8 @@ from embeddings.net.endpoints import one_try
 from embeddings.store.buckets import LISTPACK_ENTRIES, LISTPACK_VALUE
 
 _PR_SET_PDEATHSIG = 1
-# A local server runs this much nicer than the trainers that start it. Its work is mostly behind
+# A local server (its main thread, which serves every command; what it forks after inherits it)
+# runs this much nicer than the trainers that start it. Its work is mostly behind
 # (the write-behind's windows): where it and a trainer's training thread want the same core, the
 # training thread goes first, and the server takes the core when that thread waits. One trainer on
 # 2 cores with 2 servers: 60,250 -> 65,500 samples/s (median of 4 alternating rounds), the

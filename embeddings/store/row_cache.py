@@ -331,7 +331,9 @@ class HeldRows(RowSlots):
             self._fresh = set(shards)
             if self._written is None:
                 self._written = np.zeros((self.table_rows + 7) // 8 + 1, np.uint8)
-            every = self._fresh >= self.shards  # every shard of this cache's (one trainer's, or its peers')
+            # every shard of this cache's (one trainer's, or its peers': their rows told apart by owner)
+            owned = self._owner_of_keys is not None or self._owner_of is not None
+            every = self._fresh >= self.shards and (self._every_shard or owned)
             if self._direct and self._init is not None and every and self.table_rows <= PREFILL_MAX_ROWS:
                 self._prefill()
 

@@ -175,6 +175,8 @@ class RowSlots:
         owner; None when any is not (the general path answers)."""
         if not (self._direct and other._direct and self.capacity and other.capacity and len(keys)):
             return None
+        if self._init is None or other._init is None:  # a row known never written holds no initial value
+            return None
         if other.width != self.width or not np.array_equal(other._key_offset, self._key_offset):
             return None
         flat = self._flat(keys)
