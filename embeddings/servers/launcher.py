@@ -44,9 +44,9 @@ _PR_SET_PDEATHSIG = 1
 # runs this much nicer than the trainers that start it. Its work is mostly behind
 # (the write-behind's windows): where it and a trainer's training thread want the same core, the
 # training thread goes first, and the server takes the core when that thread waits. One trainer on
-# 2 cores with 2 servers: 60,250 -> 65,500 samples/s (median of 4 alternating rounds), the
-# training thread runnable but off a core 1.3-1.8 -> 0.6-0.8 ms a step. A user's servers (by URL)
-# are never touched.
+# 2 cores with 2 servers: 64,370 -> 70,386 samples/s (medians of 4 alternating rounds), the
+# training thread runnable but off a core 1.3-1.7 -> 0.5-0.65 ms a step (docs/benchmarks.md). A
+# user's servers (by URL) are never touched.
 SERVER_NICE = 10
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
 
