@@ -7,7 +7,8 @@ seconds after training started, fired from a timer wherever the trainers are) or
 
 - ``shard:K@WHEN``          SIGKILL shard K (a shard reached only by URL: ``SHUTDOWN NOSAVE``)
 - ``stall:K@WHEN:SECS``     SIGSTOP shard K, SIGCONT after SECS seconds (by URL: ``CLIENT PAUSE``)
-- ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes)
+- ``trainer:R@WHEN``        trainer rank R SIGKILLs itself (``step=N``: in step N, after its shard writes
+                            and a checkpoint still being written)
 - ``stop-trainer:R@WHEN:SECS``  trainer R SIGSTOPs itself (``step=N``: at the start of step N; a long GC, a swap
                             storm) and a helper process SIGCONTs it SECS seconds later
 - ``node:R@WHEN``           a node failure: trainer R and the shards it writes (K % trainers == R) die together
@@ -39,6 +40,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,6 +198,7 @@ class Injector:
         self.run_dir = Path(run_dir)
         self.path = layout.injections_file(self.run_dir)
         self.step = 0  # the step the trainer is in (timers record it)
+        self._settle: Callable[[], None] | None = None  # the checkpointer's, from ``at_step``
         self.t0 = time.time()
         self.corrupted: list[str] = []
         self._lock = threading.Lock()
@@ -275,6 +278,7 @@ class Injector:
         the background completes first, so ``shard:1@step=25`` finds the same checkpoints on a fast
         machine and a slow one (a kill during a checkpoint is ``@during=checkpoint``)."""
         self.step = step
+        self._settle = settle  # a trainer's kill, later in the step, settles it as well
         for inj in self.injections:
             if inj.step != step or inj.t is not None or inj.during is not None or not self._mine(inj):
                 continue
@@ -293,12 +297,15 @@ class Injector:
 
     def mid_step(self, step: int) -> None:
         """After this trainer's own shard writes: ``corrupt-dense@step=N`` (rank 0), then
-        ``trainer:R@step=N``."""
+        ``trainer:R@step=N`` once a checkpoint still being written completes (as ``at_step``'s kills:
+        the run resumes from the same checkpoint on a fast machine and a slow one)."""
         for inj in self.injections:
             if inj.kind == "corrupt-dense" and inj.step == step and self.rank == 0 and str(inj) not in self._fired:
                 self._corrupt(inj, lambda: self.dense_path if self.dense_path and self.dense_path.exists() else None)
         for inj in self.injections:
             if inj.kind == "trainer" and inj.step == step and inj.t is None and self._mine(inj):
+                if self._settle is not None:
+                    self._settle()
                 self._fire(inj)
 
     def slow_factor(self, step: int) -> float:

@@ -109,6 +109,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step; "
         "default 0: 16 with one trainer writing behind and no --train-through, else 1)",
     ),
+    "--server-nice": (
+        "embeddings",
+        "server_nice",
+        int,
+        "local shards run N nicer than their trainers (0-19): on a host that runs nothing else the "
+        "training thread goes first on a shared core; on a busy one the servers' writes and saves lag",
+    ),
     "--namespace": ("embeddings", "namespace", str, "Redis key namespace of the run (default: fresh per run)"),
     "--optimizer": (
         "optim",

@@ -98,8 +98,9 @@ def shard_urls(cfg: RunConfig):
     if cfg.embeddings.embeddings == "local":
         yield [], [], []
     elif cfg.embeddings.redis == "local":
+        e = cfg.embeddings
         with LocalShards(
-            cfg.embeddings.shards, replicas=cfg.embeddings.replicas == "local", huge_pages=cfg.embeddings.huge_pages
+            e.shards, replicas=e.replicas == "local", huge_pages=e.huge_pages, nice=e.server_nice
         ) as shards:
             yield shards.urls, shards.specs, shards.replica_urls
     else:

@@ -118,6 +118,7 @@ def config(
             prefetch=prefetch,
             write_every=write_every,
             kernels=kernels or args.kernels,
+            server_nice=args.server_nice,
         ),
         optim=OptimConfig(optimizer=args.optimizer),
         train=TrainConfig(
@@ -300,6 +301,7 @@ def preset_config(args, out: Path, embeddings: str, kernels=None) -> RunConfig:
         sections[section].update(values)
     sections["data"].update(data="synthetic", eval_samples=4096)
     sections["embeddings"].update(embeddings=embeddings, shards=2, kernels=kernels or args.kernels)
+    sections["embeddings"]["server_nice"] = args.server_nice
     sections["optim"]["optimizer"] = args.optimizer
     sections["train"].update(
         steps=args.steps + WARMUP_STEPS,
@@ -469,6 +471,13 @@ def parser() -> argparse.ArgumentParser:
         default="fbgemm",
         choices=["fbgemm", "torch"],
         help="the tier's pooling and its backward in every tier run (recsys train --kernels; default fbgemm)",
+    )
+    ap.add_argument(
+        "--server-nice",
+        type=int,
+        default=0,
+        help="every tier run's local shards this much nicer than their trainers (recsys train --server-nice; "
+        "default 0)",
     )
     ap.add_argument(
         "--also-kernels",

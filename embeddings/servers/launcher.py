@@ -40,14 +40,15 @@ from embeddings.net.endpoints import one_try
 from embeddings.store.buckets import LISTPACK_ENTRIES, LISTPACK_VALUE
 
 _PR_SET_PDEATHSIG = 1
-# A local server (its main thread, which serves every command; what it forks after inherits it)
-# runs this much nicer than the trainers that start it. Its work is mostly behind
-# (the write-behind's windows): where it and a trainer's training thread want the same core, the
-# training thread goes first, and the server takes the core when that thread waits. One trainer on
-# 2 cores with 2 servers: 64,370 -> 70,386 samples/s (medians of 4 alternating rounds), the
-# training thread runnable but off a core 1.3-1.7 -> 0.5-0.65 ms a step (docs/benchmarks.md). A
-# user's servers (by URL) are never touched.
-SERVER_NICE = 10
+# ``--server-nice N``: a local server (its main thread, which serves every command; what it forks
+# after, a checkpoint's save, inherits it) runs N nicer than the trainers that start it. Off by
+# default. On a host that runs nothing else the training thread goes first on a shared core and the
+# server takes the core when that thread waits: one trainer on 2 cores with 2 servers at N = 10,
+# 64,370 -> 70,386 samples/s (medians of 4 alternating rounds; docs/benchmarks.md). On a busy host the
+# server gets a tenth of a core against each busy process at 0, so the work behind the steps (a
+# window's write, a checkpoint's save) lags by as much: a failure then finds more of it unwritten
+# (redone, or lost to the older checkpoint). A user's servers (by URL) are never touched.
+SERVER_NICE = 0
 _LIVE: weakref.WeakSet[LocalShards] = weakref.WeakSet()
 
 
@@ -104,7 +105,7 @@ class ShardSpec:
     """The server's memory in 2 MB pages (jemalloc ``thp:always``, ``disable-thp no``): fewer TLB
     misses in a big key space, where a write costs the server cache and TLB misses, not bytes."""
     nice: int = SERVER_NICE
-    """The server's scheduling priority, below its trainers' (0: theirs; see ``SERVER_NICE``)."""
+    """How much nicer than its trainers the server runs (0: as they do; ``--server-nice``, ``SERVER_NICE``)."""
 
     @property
     def rdb_path(self) -> Path:
@@ -520,9 +521,12 @@ class LocalShards:
         tls: TlsFiles | None = None,
         replicas: bool = False,
         huge_pages: bool = False,
+        nice: int = SERVER_NICE,
     ) -> None:
         if num_shards <= 0:
             raise ValueError(f"num_shards={num_shards} must be > 0")
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice={nice} must be in 0..19")
         server = server or ServerOptions()
         self.num_shards = num_shards
         self.host = host
@@ -536,6 +540,7 @@ class LocalShards:
         self._shards: list[_Shard] = []
         self.with_replicas = replicas
         self.huge_pages = huge_pages
+        self.nice = nice
         self._replicas: list[_Shard] = []  # one per shard with replicas=True: replicaof the shard
         self._supervisor: subprocess.Popen | None = None
         self._supervisor_address = ""
@@ -695,6 +700,7 @@ class LocalShards:
             tls_key_file=self.tls_files[1],
             maxmemory=self.maxmemory,
             huge_pages=self.huge_pages,
+            nice=self.nice,
         )
 
     @property

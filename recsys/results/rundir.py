@@ -45,6 +45,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "embeddings.held_rows_mb",
         "embeddings.replica_wait",
         "embeddings.huge_pages",
+        "embeddings.server_nice",
         # how failures are met from here on (not the strategy or what it saves)
         "recovery.max_restarts",
         "recovery.max_abandoned_checkpoints",
