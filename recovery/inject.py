@@ -171,8 +171,7 @@ class Injector:
 
     Rank 0 fires shard kills, stalls and checkpoint corruption; trainer R fires ``trainer:R`` and
     ``node:R``. Call ``start(fresh)`` once the trainers agree the run started (it arms the timers),
-    ``at_step`` at each step's start, ``during(phase)`` inside the phases, ``close()`` at the end.
-    """
+    ``at_step`` at each step's start, ``during(phase)`` inside the phases, ``close()`` at the end."""
 
     def __init__(
         self,
@@ -191,8 +190,7 @@ class Injector:
         self.index = rank
         self.log_dir = Path(log_dir) if log_dir else None  # corrupt-log's target
         self.dense_path = Path(dense_path) if dense_path else None  # corrupt-dense's
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self.pidfiles = shard_pidfiles  # None for a shard reached only by URL
         self.urls = list(urls or [])
         self.run_dir = Path(run_dir)

@@ -167,26 +167,20 @@ class EmbeddingConfig:
     """A replica per shard (Redis replication), promoted by --recovery replica: ``local`` (with redis=local,
     start one here per shard) or comma-separated URLs, one per shard, in shard order."""
     held_rows_mb: float = 2048
-    """Each trainer caches the rows it writes in memory (write-through), in at most this many MB
-    (rows with their slot's bookkeeping; fractions allowed): updates and stages read them there
-    instead of from Redis, and the least read go when it is full. 0: off."""
-    write_behind: bool = True
-    """With held rows: a step's rows go to the shards on a background thread while the next computes;
-    their commit point is the next update (or a save, evaluation or the end). Several: ``writes_behind``."""
+    """Each trainer caches the rows it writes in memory (write-through), in at most this many MB (rows
+    with their slot's bookkeeping; fractions allowed): updates and stages read them there, not Redis,
+    and the least read go when it is full. 0: off."""
+    write_behind: bool = True  # held rows: a step's rows reach the shards while the next computes (``writes_behind``)
     write_every: int = 0
-    """With the write-behind: a row reaches its shard once per window of this many steps (each row once,
-    as of the window's last step); saves, evaluations and the end close a window early; a restart
-    resumes from the last window every shard took, a failed shard has the window redone. 0:
-    ``AUTO_WINDOW`` where windows apply (``RunConfig.window_steps``), else 1."""
+    """With the write-behind: a row reaches its shard once per window of this many steps (as of its last step);
+    saves, evaluations and the end close a window early; a restart resumes from the last window every shard
+    took, a failed shard has it redone. 0: ``AUTO_WINDOW`` where windows apply (``RunConfig.window_steps``), else 1."""
     replica_wait: bool = False
     """Each writer waits (WAIT 1) until the replica acknowledged the step's writes: no update lost at a failover."""
     huge_pages: bool = False
-    """Local shards keep their memory in 2 MB pages (jemalloc ``thp:always``: fewer TLB misses over
-    millions of rows); needs the host's transparent huge pages at ``madvise`` or ``always``."""
-    server_nice: int = 0
-    """Local shards run this much nicer than their trainers (0-19; 0: as they do). On a host that runs
-    nothing else a trainer's thread goes first on a shared core (10: about +9% at one trainer on 2
-    cores); on a busy host the servers' work behind the steps (windows' writes, checkpoints' saves) lags."""
+    """Local shards keep their memory in 2 MB pages (jemalloc ``thp:always``: fewer TLB misses over millions
+    of rows); needs the host's transparent huge pages at ``madvise`` or ``always``."""
+    server_nice: int = 0  # local shards run this much nicer than their trainers (0-19; ``SERVER_NICE``)
 
     def __post_init__(self) -> None:
         _check(self.embeddings in ("redis", "local"), "embeddings", self.embeddings, "must be redis or local")

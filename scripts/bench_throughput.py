@@ -472,13 +472,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["fbgemm", "torch"],
         help="the tier's pooling and its backward in every tier run (recsys train --kernels; default fbgemm)",
     )
-    ap.add_argument(
-        "--server-nice",
-        type=int,
-        default=0,
-        help="every tier run's local shards this much nicer than their trainers (recsys train --server-nice; "
-        "default 0)",
-    )
+    ap.add_argument("--server-nice", type=int, default=0, help="the tier's local shards: recsys train --server-nice")
     ap.add_argument(
         "--also-kernels",
         default="",
