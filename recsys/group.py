@@ -108,6 +108,7 @@ class TrainerGroup:
         self.data_chunks = self.num_chunks
         """The chunks each global batch is cut into (the readers'); ``num_chunks``: those trained."""
         self._assigned: list[list[int]] | None = None  # chunks by rank where they follow speed (``assign``)
+        self._row_counts: list[list[int]] | None = None  # each trainer's chunks' rows, from ``reduce_dense``
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
         self.averages = own_chunk is not None
@@ -222,14 +223,20 @@ class TrainerGroup:
         every = torch.cat(parts).numpy()
         return np.unique(every[every >= 0])
 
-    def all_gather_rows(self, keys: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Variable-length all-gather of (keys [n], grads [n, dim]); rank order preserved."""
+    def all_gather_rows(
+        self, keys: torch.Tensor, grads: torch.Tensor, known: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Variable-length all-gather of (keys [n], grads [n, dim]); rank order preserved. ``known``:
+        each trainer's chunks' row counts, gathered already (``reduce_dense``)."""
         if self.solo:
             return keys, grads
         world_size = self.world_size
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-        self.comm.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
-        counts = [int(s.item()) for s in sizes]
+        if known is not None:
+            counts = [sum(c) for c in known]
+        else:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+            self.comm.all_gather(sizes, torch.tensor([len(keys)], dtype=torch.int64))
+            counts = [int(s.item()) for s in sizes]
         most, n = max(counts), len(keys)
         # one collective for both: each row its key's two 32-bit words, then its gradient's bits (int32
         # throughout: the bytes are moved, never converted)
@@ -243,27 +250,39 @@ class TrainerGroup:
         k = torch.cat([p[:c, :2] for p, c in zip(parts, counts)]).view(torch.int64).view(-1)
         return k, torch.cat([p[:c, 2:] for p, c in zip(parts, counts)]).view(torch.float32)
 
-    def reduce_dense(self, params: list[torch.nn.Parameter], flats: list[torch.Tensor]) -> None:
+    def reduce_dense(
+        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], rows: list[int] | None = None
+    ) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
         the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
-        divided by the chunks trained."""
+        divided by the chunks trained. ``rows``: each of those chunks' row count, gathered in the
+        same collective (one more column, its bits) for ``aggregate``, which then asks no one."""
         mine = torch.stack(flats)
+        self._row_counts = None
         if self.averages:
-            rows = [mine.sum(0)]
-            self.comm.all_reduce(rows[0])
+            rows_ = [mine.sum(0)]
+            self.comm.all_reduce(rows_[0])
         elif self.solo:
-            rows = list(mine)
+            rows_ = list(mine)
         else:
-            most = self._most()
-            pad = torch.zeros((most, mine.shape[1]), dtype=mine.dtype)
-            pad[: len(flats)] = mine
+            most, width = self._most(), mine.shape[1]
+            extra = rows is not None and mine.dtype.itemsize == 4
+            pad = torch.zeros((most, width + extra), dtype=mine.dtype)
+            pad[: len(flats), :width] = mine
+            if extra:
+                pad[: len(flats), width] = torch.tensor(rows, dtype=torch.int32).view(mine.dtype)
             parts = [torch.empty_like(pad) for _ in range(self.world_size)]
             self.comm.all_gather(parts, pad)
-            by_chunk = {c: parts[r][i] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
-            rows = [by_chunk[c] for c in range(self.num_chunks)]
-        total = rows[0].clone()
-        for row in rows[1:]:
+            if extra:
+                self._row_counts = [
+                    parts[r][: len(self.chunks_of(r)), width].contiguous().view(torch.int32).tolist()
+                    for r in range(self.world_size)
+                ]
+            by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
+            rows_ = [by_chunk[c] for c in range(self.num_chunks)]
+        total = rows_[0].clone()
+        for row in rows_[1:]:
             total += row
         total /= self.num_chunks
         at = 0
@@ -279,9 +298,14 @@ class TrainerGroup:
         grads [n, dim]) summed over every chunk in chunk order, divided by the chunks."""
         keys = np.concatenate([k for k, _ in parts]) if len(parts) > 1 else parts[0][0]
         grads = torch.cat([g.detach().to(torch.float32) for _, g in parts]) if len(parts) > 1 else parts[0][1]
-        k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32))
+        known, self._row_counts = self._row_counts, None  # gathered with the dense gradients, if so
+        if known is not None and known[self.rank] != [len(pk) for pk, _ in parts]:
+            raise RuntimeError(
+                f"trainer {self.rank}: rows {known[self.rank]} gathered, {[len(pk) for pk, _ in parts]} now"
+            )
+        k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32), known)
         if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
-            k, g = self._chunk_order(k, g, [len(pk) for pk, _ in parts])
+            k, g = self._chunk_order(k, g, [len(pk) for pk, _ in parts], known)
         if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
             uniq, summed = k, g  # one forward's rows: already sorted and unique
         else:
@@ -298,13 +322,17 @@ class TrainerGroup:
         mine = np.flatnonzero(shards % self.world_size == self.rank)
         return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards, summed)
 
-    def _chunk_order(self, k: torch.Tensor, g: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk_order(
+        self, k: torch.Tensor, g: torch.Tensor, counts: list[int], known: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The gathered rows (each trainer's chunks in turn) as chunk 0's, chunk 1's, ... rows."""
         most = self._most()
         mine = torch.zeros(most, dtype=torch.int64)
         mine[: len(counts)] = torch.tensor(counts, dtype=torch.int64)
         if self.solo:
             every = [mine]
+        elif known is not None:
+            every = [torch.tensor(c, dtype=torch.int64) for c in known]
         else:
             every = [torch.empty_like(mine) for _ in range(self.world_size)]
             self.comm.all_gather(every, mine)

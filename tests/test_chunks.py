@@ -153,3 +153,55 @@ def test_several_chunks_a_trainer_are_refused_on_the_local_engine_and_under_trai
         RunConfig(embeddings=EmbeddingConfig(embeddings="local"), train=TrainConfig(trainers=1, chunks=2))
     with pytest.raises(ConfigError, match="do not yet train through"):
         RunConfig(recovery=RecoveryConfig(train_through=True), train=TrainConfig(trainers=1, chunks=2))
+
+
+def _two_ranks(rank: int, store_path: str, out) -> None:
+    """One of 2 real gloo processes: a step's dense gradients and rows reduced with the rows' counts
+    gathered beside the dense gradients, then without; -> (the results, collectives each way)."""
+    import torch.distributed as dist
+
+    from recsys.clock import Collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    tables = TableSet([TableSpec("t0", num_rows=100, dim=4)])
+    shard_map = ShardMap(tables, 2)
+    rng = np.random.default_rng(rank)
+    got = []
+    for with_counts in (True, False):
+        group = TrainerGroup(2, rank, num_chunks=4)  # 2 chunks a trainer: the rows put in chunk order
+        flats = _grads(rank, 60)[:2]
+        parts = []
+        for _ in group.chunks:
+            keys = np.unique(rng.integers(0, 100, 20 + 7 * rank)).astype(np.int64)
+            parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
+        rng = np.random.default_rng(rank)  # the same draws the second time
+        p = torch.nn.Parameter(torch.zeros(60))
+        calls = Collectives.calls
+        group.reduce_dense([p], flats, [len(k) for k, _ in parts] if with_counts else None)
+        update = group.aggregate(parts, shard_map)
+        got.append(
+            (p.grad.numpy().copy(), update.updated_keys, update.updated_grads.numpy().copy(), Collectives.calls - calls)
+        )
+    dist.destroy_process_group()
+    out.put((rank, got))  # numpy arrays: torch's tensors would pass as file descriptors
+
+
+def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_path):
+    """2 real gloo processes, 2 chunks each: the rows' counts gathered in the dense gradients'
+    collective spare the counts' own two (the trainers' and the chunks'), and every bit is the same."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_two_ranks, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        (g1, k1, r1, calls1), (g2, k2, r2, calls2) = results[rank]
+        assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2) and len(k1) > 40
+        assert (calls1, calls2) == (2, 4), (calls1, calls2)
+    assert np.array_equal(results[0][0][1], results[1][0][1])  # every trainer holds the same rows
