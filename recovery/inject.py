@@ -295,16 +295,17 @@ class Injector:
 
     def mid_step(self, step: int) -> None:
         """After this trainer's own shard writes: ``corrupt-dense@step=N`` (rank 0), then
-        ``trainer:R@step=N`` once a checkpoint still being written completes (as ``at_step``'s kills:
-        the run resumes from the same checkpoint on a fast machine and a slow one)."""
+        ``trainer:R@step=N`` once a checkpoint still being written (by rank 0) completes, as before
+        ``at_step``'s kills: the run resumes from the same checkpoint on a fast machine and a slow one."""
         for inj in self.injections:
             if inj.kind == "corrupt-dense" and inj.step == step and self.rank == 0 and str(inj) not in self._fired:
                 self._corrupt(inj, lambda: self.dense_path if self.dense_path and self.dense_path.exists() else None)
         for inj in self.injections:
-            if inj.kind == "trainer" and inj.step == step and inj.t is None and self._mine(inj):
-                if self._settle is not None:
+            if inj.kind == "trainer" and inj.step == step and inj.t is None:
+                if self._settle is not None:  # rank 0's, whoever dies (R != 0: in the same step, not before)
                     self._settle()
-                self._fire(inj)
+                if self._mine(inj):
+                    self._fire(inj)
 
     def slow_factor(self, step: int) -> float:
         """``slow-trainer:R:F@step=N`` on this trainer, from step N on: F (recorded as fired the first

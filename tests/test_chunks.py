@@ -34,12 +34,12 @@ def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_en
     assert len(set(digests.values())) == 1, digests
     assert len({s["final_auc"] for s in runs.values()}) == 1
     assert [s["trainers"] for s in runs.values()] == [3, 1, 2]
-    # rank 0's collectives: at least the stage's and the update's agreement, the rows' two gathers and the
-    # dense gather every step; none with one trainer
+    # rank 0's collectives: at least the stage's and the update's agreement, the dense gather (which
+    # carries the rows' counts) and the rows' gather every step; none with one trainer
     assert runs["one"]["collectives_ms"] is None
     for name in ("three", "two"):
         c = runs[name]["collectives_ms"]
-        assert c["calls"] >= 5 and c["ms"] > 0, (name, c)
+        assert c["calls"] >= 4 and c["ms"] > 0, (name, c)
     code, line = verify(tmp_path / "two")
     assert code == 0, line
     # the logged loss is the mean over the step's chunks however they are shared (2 trainers of 3
