@@ -251,27 +251,27 @@ class TrainerGroup:
         return k, torch.cat([p[:c, 2:] for p, c in zip(parts, counts)]).view(torch.float32)
 
     def reduce_dense(
-        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], rows: list[int] | None = None
+        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], row_counts: list[int] | None = None
     ) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
         the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
-        divided by the chunks trained. ``rows``: each of those chunks' row count, gathered in the
+        divided by the chunks trained. ``row_counts``: each of those chunks' row count, gathered in the
         same collective (one more column, its bits) for ``aggregate``, which then asks no one."""
         mine = torch.stack(flats)
         self._row_counts = None
         if self.averages:
-            rows_ = [mine.sum(0)]
-            self.comm.all_reduce(rows_[0])
+            rows = [mine.sum(0)]
+            self.comm.all_reduce(rows[0])
         elif self.solo:
-            rows_ = list(mine)
+            rows = list(mine)
         else:
             most, width = self._most(), mine.shape[1]
-            extra = rows is not None and mine.dtype.itemsize == 4
+            extra = row_counts is not None and mine.dtype.itemsize == 4
             pad = torch.zeros((most, width + extra), dtype=mine.dtype)
             pad[: len(flats), :width] = mine
             if extra:
-                pad[: len(flats), width] = torch.tensor(rows, dtype=torch.int32).view(mine.dtype)
+                pad[: len(flats), width] = torch.tensor(row_counts, dtype=torch.int32).view(mine.dtype)
             parts = [torch.empty_like(pad) for _ in range(self.world_size)]
             self.comm.all_gather(parts, pad)
             if extra:
@@ -280,9 +280,9 @@ class TrainerGroup:
                     for r in range(self.world_size)
                 ]
             by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
-            rows_ = [by_chunk[c] for c in range(self.num_chunks)]
-        total = rows_[0].clone()
-        for row in rows_[1:]:
+            rows = [by_chunk[c] for c in range(self.num_chunks)]
+        total = rows[0].clone()
+        for row in rows[1:]:
             total += row
         total /= self.num_chunks
         at = 0
@@ -298,14 +298,13 @@ class TrainerGroup:
         grads [n, dim]) summed over every chunk in chunk order, divided by the chunks."""
         keys = np.concatenate([k for k, _ in parts]) if len(parts) > 1 else parts[0][0]
         grads = torch.cat([g.detach().to(torch.float32) for _, g in parts]) if len(parts) > 1 else parts[0][1]
+        counts = [len(pk) for pk, _ in parts]
         known, self._row_counts = self._row_counts, None  # gathered with the dense gradients, if so
-        if known is not None and known[self.rank] != [len(pk) for pk, _ in parts]:
-            raise RuntimeError(
-                f"trainer {self.rank}: rows {known[self.rank]} gathered, {[len(pk) for pk, _ in parts]} now"
-            )
+        if known is not None and known[self.rank] != counts:
+            raise RuntimeError(f"trainer {self.rank}: rows {known[self.rank]} gathered, {counts} now")
         k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32), known)
         if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
-            k, g = self._chunk_order(k, g, [len(pk) for pk, _ in parts], known)
+            k, g = self._chunk_order(k, g, counts, known)
         if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
             uniq, summed = k, g  # one forward's rows: already sorted and unique
         else:
