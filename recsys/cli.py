@@ -148,6 +148,13 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "chunks (gathered, summed in chunk order: exact at any trainer count) or allreduce (averaged: "
         "DDP under restart; under replace a dead trainer's chunk is skipped until it rejoins, counted lost)",
     ),
+    "--row-exchange": (
+        "train",
+        "row_exchange",
+        str,
+        "how the row gradients reach every trainer: gather (all-gathered), scatter (summed by their owners, "
+        "the sums gathered: bytes that do not grow with trainers) or auto (scatter from 4 trainers); same bits",
+    ),
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),
     "--log-every": ("train", "log_every", int, "metrics.jsonl line every N steps"),

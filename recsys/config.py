@@ -313,6 +313,12 @@ class TrainConfig:
     (one chunk per trainer, its gradients all-reduced and averaged: torch's DDP under
     ``--trainer-recovery restart``; under ``replace`` torchft's way, where a quorum without a dead
     trainer skips its chunk until its replacement joins, and the run counts those samples lost)."""
+    row_exchange: str = "auto"
+    """How the step's row gradients reach every trainer: ``gather`` (every chunk's rows all-gathered, each
+    trainer sums them all: one collective, its bytes growing with the trainers), ``scatter`` (each row's
+    gradient to the trainer that owns its key, summed there, the sums all-gathered: two collectives,
+    bytes near the step's unique rows at any trainer count) or ``auto`` (``scatter`` from
+    ``recsys.group.SCATTER_FROM`` trainers). The same bits either way."""
     balance_every: int = 20
     """With more chunks than trainers: every N steps the trainers give their compute a step (a collective) and a
     slower trainer a chunk trains fewer from the next step (``recsys.clock.plan_chunks``). 0: never."""
@@ -321,6 +327,12 @@ class TrainConfig:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
         _check(self.balance_every >= 0, "balance_every", self.balance_every, "must be >= 0 (0: chunks never move)")
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: auto)")
+        _check(
+            self.row_exchange in ("auto", "gather", "scatter"),
+            "row_exchange",
+            self.row_exchange,
+            "must be auto, gather or scatter",
+        )
         _check(self.chunks >= 0, "chunks", self.chunks, "must be >= 0 (0: one per trainer)")
         _check(
             self.dense_reduce in ("chunks", "allreduce"),

@@ -28,6 +28,30 @@ from embeddings.shard_map import ShardMap
 from recovery.protocol import Collective
 from recsys.clock import Collectives
 
+ROW_EXCHANGES = ("auto", "gather", "scatter")
+SCATTER_FROM = 4
+"""``--row-exchange auto``: the trainers from which the rows' gradients are scattered to their owners
+(below it every trainer gathers every chunk's rows: one collective, fewer bytes at 2 and 3 trainers)."""
+
+
+def owners_of(keys: np.ndarray, world_size: int) -> np.ndarray:
+    """The trainer that sums each packed key's gradients under the scatter exchange: a multiplicative
+    hash of the key (hot rows spread whatever their ids' pattern), mod the trainers. [n] int64."""
+    h = np.ascontiguousarray(keys, np.int64).view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return ((h >> np.uint64(32)) % np.uint64(world_size)).astype(np.int64)
+
+
+def _rows_bits(keys: torch.Tensor, grads: torch.Tensor, out: torch.Tensor) -> None:
+    """(keys [n] int64, grads [n, dim] float32) into ``out`` [n, 2 + dim] int32, bits moved unconverted."""
+    n = len(keys)
+    out[:, :2] = keys.contiguous().view(torch.int32).view(n, 2)
+    out[:, 2:] = grads.contiguous().view(torch.int32)
+
+
+def _bits_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rows_bits`` undone: -> (keys [n] int64, grads [n, dim] float32)."""
+    return rows[:, :2].contiguous().view(torch.int64).view(-1), rows[:, 2:].contiguous().view(torch.float32)
+
 
 def unique_runs(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(keys, return_inverse=True)`` (sorted unique keys, each key's position among
@@ -79,6 +103,9 @@ class TorchDist:
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         Collectives.timed(lambda: dist.all_gather(out, t))
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        Collectives.timed(lambda: dist.all_to_all_single(out, t, out_splits, in_splits))
+
 
 class TrainerGroup:
     """``num_chunks``: the fixed chunks of each global batch (0: one per trainer); chunk ``c`` is
@@ -99,8 +126,15 @@ class TrainerGroup:
         exact: bool = True,
         comm=None,
         own_chunk: int | None = None,
+        row_exchange: str = "auto",
     ) -> None:
+        if row_exchange not in ROW_EXCHANGES:
+            raise ValueError(f"row_exchange={row_exchange!r} must be one of {', '.join(ROW_EXCHANGES)}")
         self.world_size, self.rank = world_size, rank
+        # the rows' gradients to their owners, summed there, the sums gathered (``_scatter_rows``)
+        self.scatters = world_size > 1 and (
+            row_exchange == "scatter" or (row_exchange == "auto" and world_size >= SCATTER_FROM)
+        )
         self.comm = comm if comm is not None else TorchDist()
         self.num_chunks = num_chunks or world_size
         if self.num_chunks < world_size:
@@ -108,7 +142,8 @@ class TrainerGroup:
         self.data_chunks = self.num_chunks
         """The chunks each global batch is cut into (the readers'); ``num_chunks``: those trained."""
         self._assigned: list[list[int]] | None = None  # chunks by rank where they follow speed (``assign``)
-        self._row_counts: list[list[int]] | None = None  # each trainer's chunks' rows, from ``reduce_dense``
+        # each trainer's chunks' rows, from ``reduce_dense``: per rank [its chunks, 1 or (scatter) W owners]
+        self._row_counts: list[np.ndarray] | None = None
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
         self.averages = own_chunk is not None
@@ -251,13 +286,14 @@ class TrainerGroup:
         return k, torch.cat([p[:c, 2:] for p, c in zip(parts, counts)]).view(torch.float32)
 
     def reduce_dense(
-        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], row_counts: list[int] | None = None
+        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], chunk_keys: list[np.ndarray] | None = None
     ) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
         the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
-        divided by the chunks trained. ``row_counts``: each of those chunks' row count, gathered in the
-        same collective (one more column, its bits) for ``aggregate``, which then asks no one."""
+        divided by the chunks trained. ``chunk_keys``: each of those chunks' row keys, whose counts
+        (per owner where the rows are scattered) travel in the same collective (more columns, their
+        bits) for ``aggregate``, which then asks no one."""
         mine = torch.stack(flats)
         self._row_counts = None
         if self.averages:
@@ -267,16 +303,17 @@ class TrainerGroup:
             rows = list(mine)
         else:
             most, width = self._most(), mine.shape[1]
-            extra = row_counts is not None and mine.dtype.itemsize == 4
+            counts = self._counts_of(chunk_keys) if chunk_keys is not None and mine.dtype.itemsize == 4 else None
+            extra = 0 if counts is None else counts.shape[1]
             pad = torch.zeros((most, width + extra), dtype=mine.dtype)
             pad[: len(flats), :width] = mine
             if extra:
-                pad[: len(flats), width] = torch.tensor(row_counts, dtype=torch.int32).view(mine.dtype)
+                pad[: len(flats), width:] = torch.from_numpy(counts.astype(np.int32)).view(mine.dtype)
             parts = [torch.empty_like(pad) for _ in range(self.world_size)]
             self.comm.all_gather(parts, pad)
             if extra:
                 self._row_counts = [
-                    parts[r][: len(self.chunks_of(r)), width].contiguous().view(torch.int32).tolist()
+                    parts[r][: len(self.chunks_of(r)), width:].contiguous().view(torch.int32).numpy().astype(np.int64)
                     for r in range(self.world_size)
                 ]
             by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
@@ -293,33 +330,94 @@ class TrainerGroup:
             p.grad.copy_(total[at : at + n].view_as(p))
             at += n
 
+    def _counts_of(self, chunk_keys: list[np.ndarray]) -> np.ndarray:
+        """Each chunk's rows, [chunks, 1]; where they are scattered, its rows for each owner, [chunks, W]."""
+        if not self.scatters:
+            return np.array([[len(k)] for k in chunk_keys], np.int64).reshape(len(chunk_keys), 1)
+        return np.stack([np.bincount(owners_of(k, self.world_size), minlength=self.world_size) for k in chunk_keys])
+
     def aggregate(self, parts: list[tuple[np.ndarray, torch.Tensor]], shard_map: ShardMap) -> StepUpdate:
         """This trainer's chunks' per-row gradients (per chunk, in its chunk order: packed keys [n],
         grads [n, dim]) summed over every chunk in chunk order, divided by the chunks."""
         keys = np.concatenate([k for k, _ in parts]) if len(parts) > 1 else parts[0][0]
         grads = torch.cat([g.detach().to(torch.float32) for _, g in parts]) if len(parts) > 1 else parts[0][1]
+        grads = grads.detach().to(torch.float32)
         counts = [len(pk) for pk, _ in parts]
         known, self._row_counts = self._row_counts, None  # gathered with the dense gradients, if so
-        if known is not None and known[self.rank] != counts:
-            raise RuntimeError(f"trainer {self.rank}: rows {known[self.rank]} gathered, {counts} now")
-        k, g = self.all_gather_rows(torch.from_numpy(keys), grads.detach().to(torch.float32), known)
-        if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
-            k, g = self._chunk_order(k, g, counts, known)
-        if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
-            uniq, summed = k, g  # one forward's rows: already sorted and unique
+        if known is not None and known[self.rank].sum(1).tolist() != counts:
+            raise RuntimeError(f"trainer {self.rank}: rows {known[self.rank].sum(1).tolist()} gathered, {counts} now")
+        as_staged = False  # the sums' keys are this trainer's one forward's, as the stage looked them up
+        if self.scatters:
+            uniq, summed = self._scatter_rows(parts, keys, grads, known)
         else:
-            uniq, inverse = unique_runs(k)
-            summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
-            summed.index_add_(0, inverse, g)
-            if self.num_chunks > 1:
-                summed /= self.num_chunks
+            totals = None if known is None else [c[:, 0].tolist() for c in known]
+            k, g = self.all_gather_rows(torch.from_numpy(keys), grads, totals)
+            if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
+                k, g = self._chunk_order(k, g, counts, totals)
+            if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
+                uniq, summed, as_staged = k, g, self.solo  # one forward's rows: already sorted and unique
+            else:
+                uniq, summed = self._sum_rows(k, g)
         # one forward's keys as the stage looked them up: the row cache finds the write's slots by them
-        keys_all = keys if uniq is k and self.solo else uniq.numpy()
+        keys_all = keys if as_staged else uniq.numpy()
         shards = shard_map.shard_of_keys(keys_all)
         if self.solo:
             return StepUpdate(keys_all, summed, shards, keys_all, shards, summed)
         mine = np.flatnonzero(shards % self.world_size == self.rank)
         return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards, summed)
+
+    def _sum_rows(self, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows in chunk order summed by key (each key's gradients added in chunk order: the same bits
+        from any subset of the keys), divided by the chunks. -> (sorted unique keys, sums)."""
+        uniq, inverse = unique_runs(k)
+        summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
+        summed.index_add_(0, inverse, g)
+        if self.num_chunks > 1:
+            summed /= self.num_chunks
+        return uniq, summed
+
+    def _scatter_rows(
+        self, parts: list[tuple[np.ndarray, torch.Tensor]], keys: np.ndarray, grads: torch.Tensor, known
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scatter exchange: each row's gradient to its owner (``owners_of``: one all-to-all), which
+        sums its keys in chunk order, then every owner's sums to every trainer (one all-gather). A
+        trainer sends its rows and the step's unique rows, whatever the trainers (the all-gather's
+        bytes grow with them). -> (the step's sorted unique keys, their sums): the bits of the gather."""
+        w, dim = self.world_size, grads.shape[1]
+        own = owners_of(keys, w)
+        mine = self._counts_of([k for k, _ in parts])
+        if known is None:  # not gathered with the dense gradients (DDP reduces them): one all-gather
+            most = self._most()
+            pad = torch.zeros((most, w), dtype=torch.int64)
+            pad[: len(parts)] = torch.from_numpy(mine)
+            every = [torch.empty_like(pad) for _ in range(w)]
+            self.comm.all_gather(every, pad)
+            known = [every[r][: len(self.chunks_of(r))].numpy() for r in range(w)]
+        elif not np.array_equal(known[self.rank], mine):
+            raise RuntimeError(
+                f"trainer {self.rank}: rows by owner {known[self.rank].tolist()} gathered, {mine.tolist()} now"
+            )
+        order = torch.from_numpy(np.argsort(own, kind="stable"))  # by owner, then chunk, then key
+        send = torch.empty((len(keys), 2 + dim), dtype=torch.int32)
+        _rows_bits(torch.from_numpy(keys)[order], grads[order], send)
+        out_splits = [int(known[r][:, self.rank].sum()) for r in range(w)]
+        recv = torch.empty((sum(out_splits), 2 + dim), dtype=torch.int32)
+        self.comm.all_to_all(recv, send, out_splits, mine.sum(0).tolist())
+        k, g = _bits_rows(recv)
+        if self.num_chunks > w:  # each trainer's chunks in turn -> chunk 0's rows, chunk 1's, ...
+            k, g = self._chunk_order(k, g, [], [c[:, self.rank].tolist() for c in known])
+        uniq, summed = self._sum_rows(k, g)
+        # every owner's sums, padded to the most rows any owner received; a first row holds the count
+        most = max(int(sum(c[:, d].sum() for c in known)) for d in range(w))
+        pad = torch.zeros((most + 1, 2 + dim), dtype=torch.int32)
+        pad[0, 0] = len(uniq)
+        _rows_bits(uniq, summed, pad[1 : 1 + len(uniq)])
+        every = [torch.empty_like(pad) for _ in range(w)]
+        self.comm.all_gather(every, pad)
+        rows = torch.cat([p[1 : 1 + int(p[0, 0])] for p in every])
+        k_all, g_all = _bits_rows(rows)
+        at = np.argsort(k_all.numpy(), kind="stable")  # the owners' sorted runs, merged
+        return k_all[torch.from_numpy(at)], g_all[torch.from_numpy(at)]
 
     def _chunk_order(
         self, k: torch.Tensor, g: torch.Tensor, counts: list[int], known: list[list[int]] | None = None

@@ -138,7 +138,13 @@ class Trainer:
         self.group = (
             epoch.group
             if epoch is not None
-            else TrainerGroup(world_size, rank, cfg.train.chunks, exact=cfg.train.dense_reduce == "chunks")
+            else TrainerGroup(
+                world_size,
+                rank,
+                cfg.train.chunks,
+                exact=cfg.train.dense_reduce == "chunks",
+                row_exchange=cfg.train.row_exchange,
+            )
         )
         self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
         torch.set_num_threads(torch_threads(cfg, world_size))
@@ -379,7 +385,7 @@ class Trainer:
             time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
         self.speed.add(time.perf_counter() - t_compute)  # its own chunks' work, no wait for the others
         if self.group.reduces_dense:
-            self.group.reduce_dense(self.dense, flats, self.backend.row_counts())
+            self.group.reduce_dense(self.dense, flats, self.backend.chunk_keys())
         clock.lap("compute")
         out = self.commit_sparse(step)
         clock.lap("rows_out")

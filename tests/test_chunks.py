@@ -27,7 +27,7 @@ def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_en
         for name, flags in (
             ("three", ["--trainers", "3"]),
             ("one", ["--trainers", "1", "--chunks", "3"]),
-            ("two", ["--trainers", "2", "--chunks", "3"]),
+            ("two", ["--trainers", "2", "--chunks", "3", "--row-exchange", "scatter"]),  # owners sum the rows
         )
     }
     digests = {name: s["embedding_digest"] for name, s in runs.items()}
@@ -135,6 +135,7 @@ def test_aggregate_puts_the_rows_of_several_chunks_in_chunk_order():
         ({"chunks": 3, "trainers": 2, "batch_size": 96, "dense_reduce": "allreduce"}, "needs --dense-reduce chunks"),
         ({"chunks": 5, "batch_size": 64}, "batch_size=64: must be a multiple of chunks=5"),
         ({"dense_reduce": "ring"}, "dense_reduce='ring': must be chunks or allreduce"),
+        ({"row_exchange": "ring"}, "row_exchange='ring': must be auto, gather or scatter"),
         (
             {"chunks": 2, "trainers": 3, "batch_size": 96},
             "chunks=2: must be 0 .one per trainer. or at least trainers=3",
@@ -155,9 +156,13 @@ def test_several_chunks_a_trainer_are_refused_on_the_local_engine_and_under_trai
         RunConfig(recovery=RecoveryConfig(train_through=True), train=TrainConfig(trainers=1, chunks=2))
 
 
+_EXCHANGES = [("gather", True), ("gather", False), ("scatter", True), ("scatter", False)]
+
+
 def _two_ranks(rank: int, store_path: str, out) -> None:
     """One of 2 real gloo processes: a step's dense gradients and rows reduced with the rows' counts
-    gathered beside the dense gradients, then without; -> (the results, collectives each way)."""
+    gathered beside the dense gradients, then without, each with the rows gathered and scattered;
+    -> (the results, collectives each way)."""
     import torch.distributed as dist
 
     from recsys.clock import Collectives
@@ -165,19 +170,19 @@ def _two_ranks(rank: int, store_path: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     tables = TableSet([TableSpec("t0", num_rows=100, dim=4)])
     shard_map = ShardMap(tables, 2)
-    rng = np.random.default_rng(rank)
     got = []
-    for with_counts in (True, False):
-        group = TrainerGroup(2, rank, num_chunks=4)  # 2 chunks a trainer: the rows put in chunk order
+    for exchange, with_counts in _EXCHANGES:
+        rng = np.random.default_rng(rank)  # the same draws each time
+        # 2 chunks a trainer: the rows put in chunk order
+        group = TrainerGroup(2, rank, num_chunks=4, row_exchange=exchange)
         flats = _grads(rank, 60)[:2]
         parts = []
         for _ in group.chunks:
             keys = np.unique(rng.integers(0, 100, 20 + 7 * rank)).astype(np.int64)
             parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
-        rng = np.random.default_rng(rank)  # the same draws the second time
         p = torch.nn.Parameter(torch.zeros(60))
         calls = Collectives.calls
-        group.reduce_dense([p], flats, [len(k) for k, _ in parts] if with_counts else None)
+        group.reduce_dense([p], flats, [k for k, _ in parts] if with_counts else None)
         update = group.aggregate(parts, shard_map)
         got.append(
             (p.grad.numpy().copy(), update.updated_keys, update.updated_grads.numpy().copy(), Collectives.calls - calls)
@@ -188,7 +193,8 @@ def _two_ranks(rank: int, store_path: str, out) -> None:
 
 def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_path):
     """2 real gloo processes, 2 chunks each: the rows' counts gathered in the dense gradients'
-    collective spare the counts' own two (the trainers' and the chunks'), and every bit is the same."""
+    collective spare the counts' own two (the trainers' and the chunks'); the rows scattered to their
+    owners, summed there and the sums gathered, give every bit the gather gives."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -201,7 +207,11 @@ def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_pa
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank in (0, 1):
-        (g1, k1, r1, calls1), (g2, k2, r2, calls2) = results[rank]
-        assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2) and len(k1) > 40
-        assert (calls1, calls2) == (2, 4), (calls1, calls2)
+        (g1, k1, r1, _), *others = results[rank]
+        assert len(k1) > 40 and len(np.unique(k1)) == len(k1) and np.all(np.diff(k1) > 0)
+        for g2, k2, r2, _ in others:
+            assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2)
+        # gather: the dense gather (with the counts) and the rows'; without the counts, theirs and the
+        # chunks' too; scatter: the dense gather, the all-to-all and the sums' gather (and the counts')
+        assert [c for *_, c in results[rank]] == [2, 4, 3, 4], results[rank]
     assert np.array_equal(results[0][0][1], results[1][0][1])  # every trainer holds the same rows

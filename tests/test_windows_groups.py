@@ -80,7 +80,8 @@ def test_a_trainer_killed_inside_a_window_takes_the_group_back_to_a_window_every
 def test_three_trainers_on_two_shards_survive_a_death_and_the_quorums_after_it_bit_for_bit(tmp_path):
     # trainer 2 writes no shard; the survivors may form a quorum without the slowest to notice, then
     # another with it: every new quorum goes back to the dense state (windows open elsewhere were let go)
-    three = ["--trainers", "3", "--shards", "2", "--batch-size", "255"]
+    # the rows scattered to their owners (the quorum's all-to-all; 2 owners after the death, then 3)
+    three = ["--trainers", "3", "--shards", "2", "--batch-size", "255", "--row-exchange", "scatter"]
     ref = train(tmp_path / "ref", *three)
     s = train(tmp_path / "run", *three, "--max-restarts", "2", "--inject", "trainer:2@step=22")
     assert ref["write_every"] == s["write_every"] == 16

@@ -88,8 +88,10 @@ def quorum_group(cfg, members: int, rank: int, index: int, comm) -> TrainerGroup
     over those trained)."""
     chunks = cfg.train.chunks or cfg.train.trainers
     if cfg.train.dense_reduce == "allreduce":
-        return TrainerGroup(members, rank, chunks, exact=False, comm=comm, own_chunk=index)
-    return TrainerGroup(members, rank, chunks, comm=comm)
+        return TrainerGroup(
+            members, rank, chunks, exact=False, comm=comm, own_chunk=index, row_exchange=cfg.train.row_exchange
+        )
+    return TrainerGroup(members, rank, chunks, comm=comm, row_exchange=cfg.train.row_exchange)
 
 
 class Prebuilt:

@@ -208,6 +208,11 @@ class QuorumComm:
 
         self._wait("an all-gather", lambda: self.pg.allgather([out], [t], AllgatherOptions()))
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        self._wait("an all-to-all", lambda: self.pg.alltoall_base(out, t, out_splits, in_splits, AllToAllOptions()))
+
 
 class Replica:
     """One trainer's side of the quorum: its manager, the quorum's group, what it offers a peer

@@ -35,6 +35,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "train.keep_model",
         "train.threads",
         "train.balance_every",
+        "train.row_exchange",
         "train.tensorboard",
         "train.digest_max_rows",
         # where the shards are and how they are reached (same count, same kind: checked apart)
