@@ -153,7 +153,7 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "row_exchange",
         str,
         "how the row gradients reach every trainer: gather (all-gathered), scatter (summed by their owners, "
-        "the sums gathered: bytes that do not grow with trainers) or auto (scatter from 4 trainers); same bits",
+        "the sums gathered: bytes that do not grow with trainers) or auto (scatter from 8 trainers); same bits",
     ),
     "--seed": ("train", "seed", int, "seed of data, model init and embedding init"),
     "--eval-every": ("train", "eval_every", int, "evaluate every N steps (0: only at the end)"),

@@ -29,9 +29,11 @@ from recovery.protocol import Collective
 from recsys.clock import Collectives
 
 ROW_EXCHANGES = ("auto", "gather", "scatter")
-SCATTER_FROM = 4
-"""``--row-exchange auto``: the trainers from which the rows' gradients are scattered to their owners
-(below it every trainer gathers every chunk's rows: one collective, fewer bytes at 2 and 3 trainers)."""
+SCATTER_FROM = 8
+"""``--row-exchange auto``: the trainers from which the rows' gradients are scattered to their owners.
+Below it every trainer gathers every chunk's rows: one collective less, and on paper as few bytes or
+fewer up to 4 trainers (``bench_throughput.py --bytes``; the scatter ran 0.88x / 0.88x / 0.95x of the
+gather at 2 / 3 / 4 trainers on the 2-core development host, docs/benchmarks.md)."""
 
 
 def owners_of(keys: np.ndarray, world_size: int) -> np.ndarray:
@@ -144,6 +146,7 @@ class TrainerGroup:
         self._assigned: list[list[int]] | None = None  # chunks by rank where they follow speed (``assign``)
         # each trainer's chunks' rows, from ``reduce_dense``: per rank [its chunks, 1 or (scatter) W owners]
         self._row_counts: list[np.ndarray] | None = None
+        self._sums_fit: int | None = None  # scatter: the rows an owner's sums are padded to (``_scatter_rows``)
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
         self.averages = own_chunk is not None
@@ -407,15 +410,28 @@ class TrainerGroup:
         if self.num_chunks > w:  # each trainer's chunks in turn -> chunk 0's rows, chunk 1's, ...
             k, g = self._chunk_order(k, g, [], [c[:, self.rank].tolist() for c in known])
         uniq, summed = self._sum_rows(k, g)
-        # every owner's sums, padded to the most rows any owner received; a first row holds the count
-        most = max(int(sum(c[:, d].sum() for c in known)) for d in range(w))
-        pad = torch.zeros((most + 1, 2 + dim), dtype=torch.int32)
+        mine_rows = torch.empty((len(uniq), 2 + dim), dtype=torch.int32)
+        _rows_bits(uniq, summed, mine_rows)
+        # every owner's sums, padded to what the most any owner summed last step allows (at most the
+        # rows it received: never more than the gather's); a first row holds each owner's count
+        received = max(int(sum(c[:, d].sum() for c in known)) for d in range(w))
+        fit = received if self._sums_fit is None else min(received, self._sums_fit)
+        pad = torch.zeros((fit + 1, 2 + dim), dtype=torch.int32)
         pad[0, 0] = len(uniq)
-        _rows_bits(uniq, summed, pad[1 : 1 + len(uniq)])
+        pad[1 : 1 + min(fit, len(uniq))] = mine_rows[:fit]
         every = [torch.empty_like(pad) for _ in range(w)]
         self.comm.all_gather(every, pad)
-        rows = torch.cat([p[1 : 1 + int(p[0, 0])] for p in every])
-        k_all, g_all = _bits_rows(rows)
+        sizes = [int(p[0, 0]) for p in every]
+        most = max(sizes)
+        self._sums_fit = most + most // 8 + 16  # the same on every trainer: each learned every count
+        blocks = [p[1 : 1 + min(n, fit)] for p, n in zip(every, sizes)]
+        if most > fit:  # some owner summed more rows than fitted: the rest in a second gather
+            rest = torch.zeros((most - fit, 2 + dim), dtype=torch.int32)
+            rest[: max(0, len(uniq) - fit)] = mine_rows[fit:]
+            more = [torch.empty_like(rest) for _ in range(w)]
+            self.comm.all_gather(more, rest)
+            blocks = [torch.cat([b, m[: max(0, n - fit)]]) for b, m, n in zip(blocks, more, sizes)]
+        k_all, g_all = _bits_rows(torch.cat(blocks))
         at = np.argsort(k_all.numpy(), kind="stable")  # the owners' sorted runs, merged
         return k_all[torch.from_numpy(at)], g_all[torch.from_numpy(at)]
 

@@ -175,18 +175,27 @@ def _two_ranks(rank: int, store_path: str, out) -> None:
         rng = np.random.default_rng(rank)  # the same draws each time
         # 2 chunks a trainer: the rows put in chunk order
         group = TrainerGroup(2, rank, num_chunks=4, row_exchange=exchange)
-        flats = _grads(rank, 60)[:2]
-        parts = []
-        for _ in group.chunks:
-            keys = np.unique(rng.integers(0, 100, 20 + 7 * rank)).astype(np.int64)
-            parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
-        p = torch.nn.Parameter(torch.zeros(60))
-        calls = Collectives.calls
-        group.reduce_dense([p], flats, [k for k, _ in parts] if with_counts else None)
-        update = group.aggregate(parts, shard_map)
-        got.append(
-            (p.grad.numpy().copy(), update.updated_keys, update.updated_grads.numpy().copy(), Collectives.calls - calls)
-        )
+        steps = []
+        # 3 steps of one group: the second sums more rows than the first's fit (a second gather of the sums)
+        for draws in (20, 90, 30):
+            flats = _grads(rank + draws, 60)[:2]
+            parts = []
+            for _ in group.chunks:
+                keys = np.unique(rng.integers(0, 100, draws + 7 * rank)).astype(np.int64)
+                parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
+            p = torch.nn.Parameter(torch.zeros(60))
+            calls = Collectives.calls
+            group.reduce_dense([p], flats, [k for k, _ in parts] if with_counts else None)
+            update = group.aggregate(parts, shard_map)
+            steps.append(
+                (
+                    p.grad.numpy().copy(),
+                    update.updated_keys,
+                    update.updated_grads.numpy().copy(),
+                    Collectives.calls - calls,
+                )
+            )
+        got.append(steps)
     dist.destroy_process_group()
     out.put((rank, got))  # numpy arrays: torch's tensors would pass as file descriptors
 
@@ -207,11 +216,32 @@ def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_pa
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank in (0, 1):
-        (g1, k1, r1, _), *others = results[rank]
-        assert len(k1) > 40 and len(np.unique(k1)) == len(k1) and np.all(np.diff(k1) > 0)
-        for g2, k2, r2, _ in others:
-            assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2)
+        for step in range(3):
+            (g1, k1, r1, _), *others = [variant[step] for variant in results[rank]]
+            assert len(k1) > 20 * (step + 1) and np.all(np.diff(k1) > 0)
+            for g2, k2, r2, _ in others:
+                assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2)
         # gather: the dense gather (with the counts) and the rows'; without the counts, theirs and the
-        # chunks' too; scatter: the dense gather, the all-to-all and the sums' gather (and the counts')
-        assert [c for *_, c in results[rank]] == [2, 4, 3, 4], results[rank]
-    assert np.array_equal(results[0][0][1], results[1][0][1])  # every trainer holds the same rows
+        # chunks' too; scatter: the dense gather, the all-to-all and the sums' gather (and the counts'),
+        # a second gather of the sums where an owner summed more than the last step's fit
+        calls = [[c for *_, c in variant] for variant in results[rank]]
+        assert calls == [[2, 2, 2], [4, 4, 4], [3, 4, 3], [4, 5, 4]], calls
+    assert np.array_equal(results[0][0][1][1], results[1][0][1][1])  # every trainer holds the same rows
+
+
+def test_auto_scatters_the_rows_from_scatter_from_trainers_and_owners_share_the_hot_rows():
+    from recsys.group import SCATTER_FROM, owners_of
+
+    assert [TrainerGroup(w, 0).scatters for w in (1, SCATTER_FROM - 1, SCATTER_FROM, 64)] == [False, False, True, True]
+    assert (
+        TrainerGroup(2, 0, row_exchange="scatter").scatters and not TrainerGroup(64, 0, row_exchange="gather").scatters
+    )
+    assert not TrainerGroup(1, 0, row_exchange="scatter").scatters  # one trainer exchanges nothing
+    with pytest.raises(ValueError, match="row_exchange='ring' must be one of auto, gather, scatter"):
+        TrainerGroup(2, 0, row_exchange="ring")
+    # the hot rows (small ids, every table) and ids of one stride spread evenly over the owners
+    for ids in (np.arange(2000), np.arange(0, 64_000, 32)):
+        keys = np.concatenate([ids + (t << 40) for t in range(26)]).astype(np.int64)
+        for w in (2, 3, 8, 64):
+            share = np.bincount(owners_of(keys, w), minlength=w) / len(keys)
+            assert share.max() < 1.2 / w and share.min() > 0.8 / w, (w, share)

@@ -125,41 +125,49 @@ def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int
         dist.destroy_process_group()
 
 
-def unique_rows(cfg, global_batch: int, world_size: int, steps: int = 4) -> tuple[float, float]:
+def unique_rows(cfg, global_batch: int, world_size: int, steps: int = 4) -> tuple[float, float, float]:
     """Measured on the run's data (``cfg``'s synthetic stream): the mean over ``steps`` global
-    batches of (the most unique rows in one trainer's chunk, the unique rows of the global batch),
+    batches of (the most unique rows in one trainer's chunk, the unique rows of the global batch,
+    the most of them one trainer owns under ``--row-exchange scatter``: ``recsys.group.owners_of``),
     every table together."""
     from data.synthetic import SyntheticSource
     from recsys.datasets import synthetic_config
+    from recsys.group import owners_of
 
     source = SyntheticSource(synthetic_config(cfg), "train")
-    most, every = [], []
+    most, every, owned = [], [], []
     for i in range(steps):
         sparse = np.asarray(source.read(i * global_batch, global_batch).sparse, np.int64)
         keys = sparse + (np.arange(sparse.shape[1], dtype=np.int64) << 40)  # one key space per table
         chunk = global_batch // world_size
         most.append(max(len(np.unique(keys[r * chunk : (r + 1) * chunk])) for r in range(world_size)))
-        every.append(len(np.unique(keys)))
-    return float(np.mean(most)), float(np.mean(every))
+        step = np.unique(keys)
+        every.append(len(step))
+        owned.append(int(np.bincount(owners_of(step, world_size), minlength=world_size).max()))
+    return float(np.mean(most)), float(np.mean(every)), float(np.mean(owned))
 
 
-def bytes_per_step(w: int, u_chunk: float, u_all: float, batch: int, tables: int, dim: int) -> dict[str, float]:
+def bytes_per_step(
+    w: int, u_chunk: float, u_all: float, batch: int, tables: int, dim: int, u_owner: float | None = None
+) -> dict[str, float]:
     """Bytes one trainer sends (= receives) in a step, on paper, for ``w`` trainers:
 
-    - ``allgather``: the tier today: every trainer's (key, gradient) rows all-gathered, padded to the
-      largest chunk's (gloo's ring: each trainer passes on the other ``w - 1`` parts);
-    - ``reduce_scatter``: the row gradients reduce-scattered to their shards' writers, then the
-      step's summed rows all-gathered (each trainer's part is its shards' share of the step's unique
-      rows): what a trainer needs to keep every row it holds current, and no more than the step's
-      unique rows however many trainers;
+    - ``allgather`` (``--row-exchange gather``): every trainer's (key, gradient) rows all-gathered,
+      padded to the largest chunk's (gloo's ring: each trainer passes on the other ``w - 1`` parts);
+    - ``reduce_scatter`` (``--row-exchange scatter``): each row's gradient to the trainer owning its
+      key (an all-to-all: the ``(w - 1) / w`` of a chunk's rows owned elsewhere), then every owner's
+      sums all-gathered, padded to 1.125x the most one owner summed, plus 17 rows (``u_owner``; the
+      even share ``u_all / w`` where not given): what a trainer needs to keep every row it holds
+      current, near the step's unique rows however many trainers;
     - ``alltoall``: torchrec's table-wise DMP: the ids of a chunk to the tables' owners, the pooled
       embeddings back, their gradients out again (forward and backward all-to-alls).
     """
     row = 8 + 4 * dim  # a packed key and a float32 gradient row
     chunk = batch / w
+    owner = u_all / w if u_owner is None else u_owner
     return {
         "allgather": (w - 1) * u_chunk * row,
-        "reduce_scatter": (w - 1) / w * u_chunk * row + (w - 1) / w * u_all * row,
+        "reduce_scatter": (w - 1) / w * u_chunk * row + (w - 1) * (1.125 * owner + 17) * row,
         "alltoall": (w - 1) / w * (chunk * tables * 8 + 2 * chunk * tables * dim * 4),
     }
 
@@ -218,16 +226,16 @@ def print_bytes(args) -> None:
     )
     print(f"\ntables=26x{args.rows_per_table}x{args.embedding_dim}, synthetic Zipf data; KiB a trainer sends a step\n")
     print(
-        "| global batch | W | unique rows, largest chunk | unique rows, step | all-gather (today) | "
-        "reduce-scatter + all-gather of the step's rows | torchrec DMP all-to-all |"
+        "| global batch | W | unique rows, largest chunk | unique rows, step | most one owner sums | "
+        "`--row-exchange gather` | `--row-exchange scatter` | torchrec DMP all-to-all |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in dict.fromkeys([1024, args.bytes_batch]):
         for w in [int(x) for x in args.bytes.split(",")]:
-            u_chunk, u_all = unique_rows(cfg, batch, w)
-            b = bytes_per_step(w, u_chunk, u_all, batch, 26, args.embedding_dim)
+            u_chunk, u_all, u_owner = unique_rows(cfg, batch, w)
+            b = bytes_per_step(w, u_chunk, u_all, batch, 26, args.embedding_dim, u_owner)
             print(
-                f"| {batch} | {w} | {u_chunk:,.0f} | {u_all:,.0f} | {b['allgather'] / 1024:,.0f} | "
+                f"| {batch} | {w} | {u_chunk:,.0f} | {u_all:,.0f} | {u_owner:,.0f} | {b['allgather'] / 1024:,.0f} | "
                 f"{b['reduce_scatter'] / 1024:,.0f} | {b['alltoall'] / 1024:,.0f} |"
             )
 
