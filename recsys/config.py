@@ -261,6 +261,9 @@ class OptimConfig:
         _check(self.eps >= 0, "eps", self.eps, "must be >= 0")
 
 
+_EXCHANGES, _REDUCES = "must be auto, gather or scatter", "must be chunks or allreduce"
+
+
 @dataclass
 class TrainConfig:
     steps: int = 1000
@@ -314,11 +317,8 @@ class TrainConfig:
     ``--trainer-recovery restart``; under ``replace`` torchft's way, where a quorum without a dead
     trainer skips its chunk until its replacement joins, and the run counts those samples lost)."""
     row_exchange: str = "auto"
-    """How the step's row gradients reach every trainer: ``gather`` (every chunk's rows all-gathered, each
-    trainer sums them all: one collective, its bytes growing with the trainers), ``scatter`` (each row's
-    gradient to the trainer that owns its key, summed there, the sums all-gathered: two collectives,
-    bytes near the step's unique rows at any trainer count) or ``auto`` (``scatter`` from
-    ``recsys.group.SCATTER_FROM`` trainers). The same bits either way."""
+    """The step's row gradients ``gather``-ed by every trainer (bytes growing with the trainers), or ``scatter``-ed
+    to their keys' owners, summed there, the sums gathered (``recsys.group``); ``auto``: scatter from 8. Same bits."""
     balance_every: int = 20
     """With more chunks than trainers: every N steps the trainers give their compute a step (a collective) and a
     slower trainer a chunk trains fewer from the next step (``recsys.clock.plan_chunks``). 0: never."""
@@ -327,25 +327,11 @@ class TrainConfig:
         _check(self.steps > 0, "steps", self.steps, "must be > 0")
         _check(self.balance_every >= 0, "balance_every", self.balance_every, "must be >= 0 (0: chunks never move)")
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: auto)")
-        _check(
-            self.row_exchange in ("auto", "gather", "scatter"),
-            "row_exchange",
-            self.row_exchange,
-            "must be auto, gather or scatter",
-        )
+        _check(self.row_exchange in ("auto", "gather", "scatter"), "row_exchange", self.row_exchange, _EXCHANGES)
         _check(self.chunks >= 0, "chunks", self.chunks, "must be >= 0 (0: one per trainer)")
-        _check(
-            self.dense_reduce in ("chunks", "allreduce"),
-            "dense_reduce",
-            self.dense_reduce,
-            "must be chunks or allreduce",
-        )
-        _check(
-            self.batch_size % max(1, self.chunks) == 0,
-            "batch_size",
-            self.batch_size,
-            f"must be a multiple of chunks={self.chunks}",
-        )
+        _check(self.dense_reduce in ("chunks", "allreduce"), "dense_reduce", self.dense_reduce, _REDUCES)
+        whole = f"must be a multiple of chunks={self.chunks}"
+        _check(self.batch_size % max(1, self.chunks) == 0, "batch_size", self.batch_size, whole)
         why = f"must be 0 (one per trainer) or at least trainers={self.trainers}"
         _check(self.chunks == 0 or self.chunks >= self.trainers, "chunks", self.chunks, why)
         _check(

@@ -90,6 +90,12 @@ class StepUpdate:
     """The global gradients of ``updated_keys`` (the rows other trainers write too), [m, dim]."""
 
 
+def run_group(train, world_size: int, rank: int) -> TrainerGroup:
+    """The group of a run's trainer ``rank`` of ``world_size`` (``train``: its ``TrainConfig``)."""
+    exact = train.dense_reduce == "chunks"
+    return TrainerGroup(world_size, rank, train.chunks, exact=exact, row_exchange=train.row_exchange)
+
+
 class TorchDist:
     """The collectives on torch's default process group (the launcher's or torchrun's)."""
 

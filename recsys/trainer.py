@@ -44,7 +44,7 @@ from recsys.clock import WARMUP_STEPS, ChunkBalance, StepClock, TrainerSpeeds
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
-from recsys.group import TrainerGroup
+from recsys.group import TrainerGroup, run_group
 from recsys.model import dense_optimizer, dense_params
 from recsys.quorum.epoch import Epoch, dense_crc, meet_quorum, same_everywhere
 from recsys.quorum.replica import PeerLost
@@ -135,17 +135,7 @@ class Trainer:
         # --trainer-recovery replace: this trainer of a quorum, its group the quorum's (``recsys.quorum.regroup``)
         self.epoch = epoch
         # every collective of this trainer goes through it; it says which chunks of each step are this trainer's
-        self.group = (
-            epoch.group
-            if epoch is not None
-            else TrainerGroup(
-                world_size,
-                rank,
-                cfg.train.chunks,
-                exact=cfg.train.dense_reduce == "chunks",
-                row_exchange=cfg.train.row_exchange,
-            )
-        )
+        self.group = epoch.group if epoch is not None else run_group(cfg.train, world_size, rank)
         self._threads_before = torch.get_num_threads()  # given back when train() ends (an in-process run)
         torch.set_num_threads(torch_threads(cfg, world_size))
         self.specs = specs or []
