@@ -92,9 +92,9 @@ class Backend:
     def end_chunk(self) -> None:
         """After a chunk's backward: its row gradients are kept apart for ``gradients``."""
 
-    def chunk_keys(self) -> list[np.ndarray] | None:
-        """After the backward: each chunk's row keys, whose counts are gathered beside the dense
-        gradients (None: none)."""
+    def chunk_rows(self) -> list[tuple[np.ndarray, torch.Tensor]] | None:
+        """After the backward: each chunk's row keys and gradients, gathered with the dense gradients
+        (None: none)."""
         return None
 
     def gradients(self) -> StepUpdate | None:
@@ -214,8 +214,8 @@ class StoreBackend(Backend):
     def end_chunk(self) -> None:
         self._chunks.append(self.ebc.pop_key_grads())
 
-    def chunk_keys(self) -> list[np.ndarray] | None:
-        return [k for k, _ in self._chunks] or None
+    def chunk_rows(self) -> list[tuple[np.ndarray, torch.Tensor]] | None:
+        return self._chunks or None
 
     def _serve(self, keys: np.ndarray, training: bool) -> None:
         if not self.group.solo:

@@ -96,6 +96,24 @@ def run_group(train, world_size: int, rank: int) -> TrainerGroup:
     return TrainerGroup(world_size, rank, train.chunks, exact=exact, row_exchange=train.row_exchange)
 
 
+def _counts_of(chunk_keys: list[np.ndarray], scatters: bool, world_size: int) -> np.ndarray:
+    """Each chunk's rows, [chunks, 1]; where they are scattered, its rows for each owner, [chunks, W]."""
+    if not scatters:
+        return np.array([[len(k)] for k in chunk_keys], np.int64).reshape(len(chunk_keys), 1)
+    return np.stack([np.bincount(owners_of(k, world_size), minlength=world_size) for k in chunk_keys])
+
+
+def _sum_rows(k: torch.Tensor, g: torch.Tensor, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows in chunk order summed by key (each key's gradients added in chunk order: the same bits
+    from any subset of the keys), divided by the chunks. -> (sorted unique keys, sums)."""
+    uniq, inverse = unique_runs(k)
+    summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
+    summed.index_add_(0, inverse, g)
+    if num_chunks > 1:
+        summed /= num_chunks
+    return uniq, summed
+
+
 class TorchDist:
     """The collectives on torch's default process group (the launcher's or torchrun's)."""
 
@@ -153,6 +171,9 @@ class TrainerGroup:
         # each trainer's chunks' rows, from ``reduce_dense``: per rank [its chunks, 1 or (scatter) W owners]
         self._row_counts: list[np.ndarray] | None = None
         self._sums_fit: int | None = None  # scatter: the rows an owner's sums are padded to (``_scatter_rows``)
+        # gather: each trainer's rows in the dense gradients' collective, up to ``_rows_fit`` (``_gather_dense``)
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows_fit = 0
         self.chunks = [c for c in range(self.num_chunks) if c % world_size == rank]  # this trainer's
         self.exact = exact or self.num_chunks != world_size  # alike on every trainer
         self.averages = own_chunk is not None
@@ -295,36 +316,27 @@ class TrainerGroup:
         return k, torch.cat([p[:c, 2:] for p, c in zip(parts, counts)]).view(torch.float32)
 
     def reduce_dense(
-        self, params: list[torch.nn.Parameter], flats: list[torch.Tensor], chunk_keys: list[np.ndarray] | None = None
+        self,
+        params: list[torch.nn.Parameter],
+        flats: list[torch.Tensor],
+        chunk_rows: list[tuple[np.ndarray, torch.Tensor]] | None = None,
     ) -> None:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
         the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
-        divided by the chunks trained. ``chunk_keys``: each of those chunks' row keys, whose counts
-        (per owner where the rows are scattered) travel in the same collective (more columns, their
-        bits) for ``aggregate``, which then asks no one."""
+        divided by the chunks trained. ``chunk_rows``: each of those chunks' row keys and gradients.
+        Their counts (per owner where the rows are scattered) travel in the same collective (more
+        columns, their bits), and where they are gathered the rows too, as many as fitted the step
+        before (``_gather_dense``): ``aggregate`` then asks no one."""
         mine = torch.stack(flats)
-        self._row_counts = None
+        self._row_counts = self._gathered = None
         if self.averages:
             rows = [mine.sum(0)]
             self.comm.all_reduce(rows[0])
         elif self.solo:
             rows = list(mine)
         else:
-            most, width = self._most(), mine.shape[1]
-            counts = self._counts_of(chunk_keys) if chunk_keys is not None and mine.dtype.itemsize == 4 else None
-            extra = 0 if counts is None else counts.shape[1]
-            pad = torch.zeros((most, width + extra), dtype=mine.dtype)
-            pad[: len(flats), :width] = mine
-            if extra:
-                pad[: len(flats), width:] = torch.from_numpy(counts.astype(np.int32)).view(mine.dtype)
-            parts = [torch.empty_like(pad) for _ in range(self.world_size)]
-            self.comm.all_gather(parts, pad)
-            if extra:
-                self._row_counts = [
-                    parts[r][: len(self.chunks_of(r)), width:].contiguous().view(torch.int32).numpy().astype(np.int64)
-                    for r in range(self.world_size)
-                ]
+            parts, width = self._gather_dense(mine, chunk_rows if mine.dtype.itemsize == 4 else None)
             by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
             rows = [by_chunk[c] for c in range(self.num_chunks)]
         total = rows[0].clone()
@@ -339,11 +351,53 @@ class TrainerGroup:
             p.grad.copy_(total[at : at + n].view_as(p))
             at += n
 
-    def _counts_of(self, chunk_keys: list[np.ndarray]) -> np.ndarray:
-        """Each chunk's rows, [chunks, 1]; where they are scattered, its rows for each owner, [chunks, W]."""
-        if not self.scatters:
-            return np.array([[len(k)] for k in chunk_keys], np.int64).reshape(len(chunk_keys), 1)
-        return np.stack([np.bincount(owners_of(k, self.world_size), minlength=self.world_size) for k in chunk_keys])
+    def _gather_dense(
+        self, mine: torch.Tensor, chunk_rows: list[tuple[np.ndarray, torch.Tensor]] | None
+    ) -> tuple[list[torch.Tensor], int]:
+        """One all-gather of every trainer's chunks' dense gradients (``mine``: [chunks, width] float32),
+        padded to the most chunks a trainer has, each chunk's row counts beside them (``_row_counts``);
+        gathering rows, each trainer's rows too, up to ``_rows_fit`` (the rest in a second gather):
+        ``_gathered``, what ``all_gather_rows`` would give. -> (each trainer's [most, width + counts] rows, width)."""
+        most, width = self._most(), mine.shape[1]
+        counts = None if chunk_rows is None else _counts_of([k for k, _ in chunk_rows], self.scatters, self.world_size)
+        extra = 0 if counts is None else counts.shape[1]
+        keys = grads = None
+        fit = 0
+        if counts is not None and not self.scatters:
+            keys = torch.from_numpy(np.concatenate([k for k, _ in chunk_rows]))
+            grads = torch.cat([g.detach().to(torch.float32) for _, g in chunk_rows])
+            fit = self._rows_fit
+        dense, cols = most * (width + extra), 2 + (0 if grads is None else grads.shape[1])
+        buf = torch.zeros(dense + fit * cols, dtype=torch.int32)
+        pad = buf[:dense].view(torch.float32).view(most, width + extra)
+        pad[: len(mine), :width] = mine
+        if extra:
+            pad[: len(mine), width:] = torch.from_numpy(counts.astype(np.int32)).view(torch.float32)
+        if keys is not None:
+            n = min(len(keys), fit)
+            _rows_bits(keys[:n], grads[:n], buf[dense : dense + n * cols].view(n, cols))
+        every = [torch.empty_like(buf) for _ in range(self.world_size)]
+        self.comm.all_gather(every, buf)
+        parts = [p[:dense].view(torch.float32).view(most, width + extra) for p in every]
+        if extra:
+            self._row_counts = [
+                parts[r][: len(self.chunks_of(r)), width:].contiguous().view(torch.int32).numpy().astype(np.int64)
+                for r in range(self.world_size)
+            ]
+        if keys is not None:  # the rows that fitted, then the rest where some trainer had more
+            sizes = [int(c.sum()) for c in self._row_counts]
+            top = max(sizes)
+            blocks = [p[dense : dense + min(n, fit) * cols].view(-1, cols) for p, n in zip(every, sizes)]
+            if top > fit:
+                rest = torch.zeros((top - fit, cols), dtype=torch.int32)
+                left = max(0, len(keys) - fit)
+                _rows_bits(keys[fit:], grads[fit:], rest[:left])
+                more = [torch.empty_like(rest) for _ in range(self.world_size)]
+                self.comm.all_gather(more, rest)
+                blocks = [torch.cat([b, m[: max(0, n - fit)]]) for b, m, n in zip(blocks, more, sizes)]
+            self._gathered = _bits_rows(torch.cat(blocks))
+            self._rows_fit = top + top // 8 + 16  # the same on every trainer: each learned every count
+        return parts, width
 
     def aggregate(self, parts: list[tuple[np.ndarray, torch.Tensor]], shard_map: ShardMap) -> StepUpdate:
         """This trainer's chunks' per-row gradients (per chunk, in its chunk order: packed keys [n],
@@ -360,13 +414,14 @@ class TrainerGroup:
             uniq, summed = self._scatter_rows(parts, keys, grads, known)
         else:
             totals = None if known is None else [c[:, 0].tolist() for c in known]
-            k, g = self.all_gather_rows(torch.from_numpy(keys), grads, totals)
+            gathered, self._gathered = self._gathered, None  # gathered with the dense gradients, if so
+            k, g = gathered or self.all_gather_rows(torch.from_numpy(keys), grads, totals)
             if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
                 k, g = self._chunk_order(k, g, counts, totals)
             if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
                 uniq, summed, as_staged = k, g, self.solo  # one forward's rows: already sorted and unique
             else:
-                uniq, summed = self._sum_rows(k, g)
+                uniq, summed = _sum_rows(k, g, self.num_chunks)
         # one forward's keys as the stage looked them up: the row cache finds the write's slots by them
         keys_all = keys if as_staged else uniq.numpy()
         shards = shard_map.shard_of_keys(keys_all)
@@ -374,16 +429,6 @@ class TrainerGroup:
             return StepUpdate(keys_all, summed, shards, keys_all, shards, summed)
         mine = np.flatnonzero(shards % self.world_size == self.rank)
         return StepUpdate(keys_all[mine], summed[torch.from_numpy(mine)], shards[mine], keys_all, shards, summed)
-
-    def _sum_rows(self, k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows in chunk order summed by key (each key's gradients added in chunk order: the same bits
-        from any subset of the keys), divided by the chunks. -> (sorted unique keys, sums)."""
-        uniq, inverse = unique_runs(k)
-        summed = torch.zeros((len(uniq), g.shape[1]), dtype=torch.float32)
-        summed.index_add_(0, inverse, g)
-        if self.num_chunks > 1:
-            summed /= self.num_chunks
-        return uniq, summed
 
     def _scatter_rows(
         self, parts: list[tuple[np.ndarray, torch.Tensor]], keys: np.ndarray, grads: torch.Tensor, known
@@ -394,7 +439,7 @@ class TrainerGroup:
         bytes grow with them). -> (the step's sorted unique keys, their sums): the bits of the gather."""
         w, dim = self.world_size, grads.shape[1]
         own = owners_of(keys, w)
-        mine = self._counts_of([k for k, _ in parts])
+        mine = _counts_of([k for k, _ in parts], True, w)
         if known is None:  # not gathered with the dense gradients (DDP reduces them): one all-gather
             most = self._most()
             pad = torch.zeros((most, w), dtype=torch.int64)
@@ -415,7 +460,7 @@ class TrainerGroup:
         k, g = _bits_rows(recv)
         if self.num_chunks > w:  # each trainer's chunks in turn -> chunk 0's rows, chunk 1's, ...
             k, g = self._chunk_order(k, g, [], [c[:, self.rank].tolist() for c in known])
-        uniq, summed = self._sum_rows(k, g)
+        uniq, summed = _sum_rows(k, g, self.num_chunks)
         mine_rows = torch.empty((len(uniq), 2 + dim), dtype=torch.int32)
         _rows_bits(uniq, summed, mine_rows)
         # every owner's sums, padded to what the most any owner summed last step allows (at most the

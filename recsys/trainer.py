@@ -375,7 +375,7 @@ class Trainer:
             time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
         self.speed.add(time.perf_counter() - t_compute)  # its own chunks' work, no wait for the others
         if self.group.reduces_dense:
-            self.group.reduce_dense(self.dense, flats, self.backend.chunk_keys())
+            self.group.reduce_dense(self.dense, flats, self.backend.chunk_rows())
         clock.lap("compute")
         out = self.commit_sparse(step)
         clock.lap("rows_out")
