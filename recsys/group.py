@@ -46,6 +46,8 @@ def owners_of(keys: np.ndarray, world_size: int) -> np.ndarray:
 def _rows_bits(keys: torch.Tensor, grads: torch.Tensor, out: torch.Tensor) -> None:
     """(keys [n] int64, grads [n, dim] float32) into ``out`` [n, 2 + dim] int32, bits moved unconverted."""
     n = len(keys)
+    if not n:  # an empty tensor may carry any stride, which no view of another element size takes
+        return
     out[:, :2] = keys.contiguous().view(torch.int32).view(n, 2)
     out[:, 2:] = grads.contiguous().view(torch.int32)
 
@@ -307,8 +309,7 @@ class TrainerGroup:
         # throughout: the bytes are moved, never converted)
         # (the padding rows are never read: no fill)
         pad = torch.empty((most, 2 + grads.shape[1]), dtype=torch.int32)
-        pad[:n, :2] = keys.contiguous().view(torch.int32).view(n, 2)
-        pad[:n, 2:] = grads.contiguous().view(torch.int32)
+        _rows_bits(keys, grads, pad[:n])
         parts = [torch.empty_like(pad) for _ in range(world_size)]
         self.comm.all_gather(parts, pad)
         # each column block joined once, straight from the gathered rows (one copy each)
@@ -336,7 +337,7 @@ class TrainerGroup:
         elif self.solo:
             rows = list(mine)
         else:
-            parts, width = self._gather_dense(mine, chunk_rows if mine.dtype.itemsize == 4 else None)
+            parts, width = self._gather_dense(mine, chunk_rows if mine.dtype == torch.float32 else None)
             by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
             rows = [by_chunk[c] for c in range(self.num_chunks)]
         total = rows[0].clone()
@@ -368,8 +369,12 @@ class TrainerGroup:
             grads = torch.cat([g.detach().to(torch.float32) for _, g in chunk_rows])
             fit = self._rows_fit
         dense, cols = most * (width + extra), 2 + (0 if grads is None else grads.shape[1])
-        buf = torch.zeros(dense + fit * cols, dtype=torch.int32)
-        pad = buf[:dense].view(torch.float32).view(most, width + extra)
+        if mine.dtype != torch.float32:  # no counts nor rows beside them: gathered in their own dtype
+            buf = torch.empty(dense, dtype=mine.dtype)
+            pad = buf.view(most, width)
+        else:  # the padding (chunks a trainer lacks, rows past its own) is never read: no fill
+            buf = torch.empty(dense + fit * cols, dtype=torch.int32)
+            pad = buf[:dense].view(torch.float32).view(most, width + extra)
         pad[: len(mine), :width] = mine
         if extra:
             pad[: len(mine), width:] = torch.from_numpy(counts.astype(np.int32)).view(torch.float32)
@@ -378,7 +383,7 @@ class TrainerGroup:
             _rows_bits(keys[:n], grads[:n], buf[dense : dense + n * cols].view(n, cols))
         every = [torch.empty_like(buf) for _ in range(self.world_size)]
         self.comm.all_gather(every, buf)
-        parts = [p[:dense].view(torch.float32).view(most, width + extra) for p in every]
+        parts = [p[:dense].view(mine.dtype).view(most, width + extra) for p in every]
         if extra:
             self._row_counts = [
                 parts[r][: len(self.chunks_of(r)), width:].contiguous().view(torch.int32).numpy().astype(np.int64)
@@ -389,7 +394,7 @@ class TrainerGroup:
             top = max(sizes)
             blocks = [p[dense : dense + min(n, fit) * cols].view(-1, cols) for p, n in zip(every, sizes)]
             if top > fit:
-                rest = torch.zeros((top - fit, cols), dtype=torch.int32)
+                rest = torch.empty((top - fit, cols), dtype=torch.int32)
                 left = max(0, len(keys) - fit)
                 _rows_bits(keys[fit:], grads[fit:], rest[:left])
                 more = [torch.empty_like(rest) for _ in range(self.world_size)]
@@ -439,7 +444,8 @@ class TrainerGroup:
         bytes grow with them). -> (the step's sorted unique keys, their sums): the bits of the gather."""
         w, dim = self.world_size, grads.shape[1]
         own = owners_of(keys, w)
-        mine = _counts_of([k for k, _ in parts], True, w)
+        cuts = np.cumsum([0] + [len(k) for k, _ in parts])
+        mine = np.stack([np.bincount(own[a:b], minlength=w) for a, b in zip(cuts[:-1], cuts[1:])])
         if known is None:  # not gathered with the dense gradients (DDP reduces them): one all-gather
             most = self._most()
             pad = torch.zeros((most, w), dtype=torch.int64)
@@ -467,7 +473,7 @@ class TrainerGroup:
         # rows it received: never more than the gather's); a first row holds each owner's count
         received = max(int(sum(c[:, d].sum() for c in known)) for d in range(w))
         fit = received if self._sums_fit is None else min(received, self._sums_fit)
-        pad = torch.zeros((fit + 1, 2 + dim), dtype=torch.int32)
+        pad = torch.empty((fit + 1, 2 + dim), dtype=torch.int32)  # past an owner's count: never read
         pad[0, 0] = len(uniq)
         pad[1 : 1 + min(fit, len(uniq))] = mine_rows[:fit]
         every = [torch.empty_like(pad) for _ in range(w)]
@@ -477,7 +483,7 @@ class TrainerGroup:
         self._sums_fit = most + most // 8 + 16  # the same on every trainer: each learned every count
         blocks = [p[1 : 1 + min(n, fit)] for p, n in zip(every, sizes)]
         if most > fit:  # some owner summed more rows than fitted: the rest in a second gather
-            rest = torch.zeros((most - fit, 2 + dim), dtype=torch.int32)
+            rest = torch.empty((most - fit, 2 + dim), dtype=torch.int32)
             rest[: max(0, len(uniq) - fit)] = mine_rows[fit:]
             more = [torch.empty_like(rest) for _ in range(w)]
             self.comm.all_gather(more, rest)

@@ -237,8 +237,9 @@ def test_the_lighthouse_dying_stops_the_run_in_one_line_and_resume_finishes_it_b
 
 
 def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_one_line():
-    """Trainers launched as separate commands each read ``--quorum-every`` from their own command
-    line: members that would meet at different steps are stopped at the quorum's first collective."""
+    """Trainers launched as separate commands each read ``--quorum-every`` and ``--row-exchange`` from
+    their own command line: members that would meet at different steps, or exchange the rows in
+    different collectives, are stopped at the quorum's first collective."""
     import numpy as np
 
     from recsys.config import RecoveryConfig, RunConfig, TrainConfig
@@ -246,8 +247,8 @@ def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_on
     from recsys.quorum.replica import Quorum
 
     class Quorum2:  # the quorum's MAX over two trainers: this one's vector and the other's
-        def __init__(self, other=None) -> None:
-            self.other, self.sent = other, None
+        def __init__(self, other=None, scatters: bool = False) -> None:
+            self.other, self.sent, self.scatters = other, None, scatters
 
         def max_flags(self, v):
             self.sent = v.copy()
@@ -264,3 +265,5 @@ def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_on
     assert same[7:].tolist() == [os.getpid()] * 2  # each member's process (both of them here)
     with pytest.raises(RuntimeError, match=r"quorum 7 disagree on --quorum-every \(4 here; from 4 to 8\)"):
         agree(Quorum2(theirs.sent), cfg(4), 1, (0, 1), q, True, False)
+    with pytest.raises(RuntimeError, match=r"quorum 7 disagree on --row-exchange \(here the rows are scattered\)"):
+        agree(Quorum2(theirs.sent, scatters=True), cfg(8), 1, (0, 1), q, True, False)

@@ -37,8 +37,8 @@ def agree(
     for none). ``prev``: the members of this process's last quorum (None at its first);
     ``replacement``: it started after the run began."""
     n = max(cfg.train.trainers, 1 + max(q.members))
-    v = np.zeros(4 * n + 3, dtype=np.int64)
-    v[3 * n + 3 + index] = os.getpid()
+    v = np.zeros(4 * n + 5, dtype=np.int64)
+    v[3 * n + 5 + index] = os.getpid()
     if prev is not None:
         for i in set(prev) - set(q.members):
             v[i] = 1
@@ -47,14 +47,20 @@ def agree(
         v[2 * n + index] = int(q.seconds * 1000)
     v[3 * n] = 0 if has_state else 1
     k = cfg.recovery.quorum_every  # trainers launched as separate commands could differ: each meets on its own steps
-    v[3 * n + 1 : 3 * n + 3] = (k, -k)
+    x = int(group.scatters)  # the rows' exchange: its collectives differ, so every member must take the same
+    v[3 * n + 1 : 3 * n + 5] = (k, -k, x, -x)
     v = group.max_flags(v)
     if v[3 * n + 1] != -v[3 * n + 2]:
         raise RuntimeError(
             f"the trainers of quorum {q.quorum_id} disagree on --quorum-every ({k} here; from "
             f"{-int(v[3 * n + 2])} to {int(v[3 * n + 1])}): run every trainer with the same value"
         )
-    return np.concatenate([v[: 3 * n + 1], v[3 * n + 3 :]])
+    if v[3 * n + 3] != -v[3 * n + 4]:
+        raise RuntimeError(
+            f"the trainers of quorum {q.quorum_id} disagree on --row-exchange (here the rows are "
+            f"{'scattered' if x else 'gathered'}): run every trainer with the same value"
+        )
+    return np.concatenate([v[: 3 * n + 1], v[3 * n + 5 :]])
 
 
 def meeting(group: TrainerGroup, cfg, index: int, prev, q: Quorum, state: dict | None, replacement: bool) -> dict:
