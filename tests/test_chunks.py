@@ -62,10 +62,14 @@ def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
     from data.batches import BatchReader, ChunkReader
     from data.synthetic import SyntheticConfig, SyntheticSource
 
-    seen: set[str] = set()
+    import os
 
-    def prepare(batch) -> None:
-        seen.add(threading.current_thread().name)
+    from data.batches import READ_AHEAD_NICE
+
+    seen: set[tuple[str, int]] = set()
+
+    def prepare(batch) -> None:  # on Linux a thread's priority is its own: the read-ahead's is nicer
+        seen.add((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, 0)))
 
     source = SyntheticSource(SyntheticConfig(rows_per_table=(100,) * 26))
     reader = ChunkReader(source, 96, [0, 2], 3, read_ahead=True, prepare=prepare)
@@ -78,6 +82,8 @@ def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
     finally:
         reader.close()
     assert len(seen) == 1, seen  # one thread read every chunk ahead
+    ((name, nice),) = seen
+    assert name.startswith("read-ahead") and nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + READ_AHEAD_NICE)
 
 
 def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
