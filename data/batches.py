@@ -26,8 +26,9 @@ from data.hashing import hash_uniform
 READ_AHEAD_NICE = 10
 """The read-ahead thread runs this much nicer than the training thread beside it: its work (the next
 batch, its unique row keys) is done well before the step that needs it, and at the same priority it
-took the training thread's core and the interpreter from it (one trainer 1.11x, two 1.09x, three
-1.08x; docs/benchmarks.md). A host too busy to run it in time shows in ``step_ms.data``."""
+took the training thread's core and the interpreter from it (preprocessed data: one trainer 1.10x,
+two 1.11x; synthetic data made on the fly: no gain; docs/benchmarks.md). A host too busy to run it in
+time shows in ``step_ms.data``."""
 
 
 def _nicer() -> None:

@@ -57,14 +57,11 @@ def _records(out) -> list[dict]:
 
 
 def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
+    import os
     import threading
 
-    from data.batches import BatchReader, ChunkReader
+    from data.batches import READ_AHEAD_NICE, BatchReader, ChunkReader
     from data.synthetic import SyntheticConfig, SyntheticSource
-
-    import os
-
-    from data.batches import READ_AHEAD_NICE
 
     seen: set[tuple[str, int]] = set()
 
