@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ from data.errors import DataError
 from data.hashing import hash_uniform
 
 READ_AHEAD_NICE = 10
-"""The read-ahead thread runs this much nicer than the training thread beside it: its work (the next
-batch, its unique row keys) is done well before the step that needs it, and at the same priority it
-took the training thread's core and the interpreter from it (preprocessed data: one trainer 1.10x,
-two 1.11x; synthetic data made on the fly: no gain; docs/benchmarks.md). A host too busy to run it in
-time shows in ``step_ms.data``."""
+"""The read-ahead thread runs this much nicer than the training thread beside it while its work (the
+next batch, its unique row keys) is done before the step that needs it: at the same priority it took
+the training thread's core and the interpreter from it (preprocessed data: one trainer 1.10x, two
+1.11x; docs/benchmarks.md)."""
+LATE_STEPS, LATE_S = 3, 0.001
+"""Reads in a row that a step waited for longer than this (multi-hot bags, samples made on the fly):
+the read-ahead's work is the step's bottleneck, and from then on it runs at the trainer's priority."""
 
 
 def _nicer() -> None:
@@ -38,9 +41,39 @@ def _nicer() -> None:
         pass
 
 
-def read_ahead_pool() -> ThreadPoolExecutor:
-    """The one thread that reads batches ahead (``READ_AHEAD_NICE``), shared by a trainer's readers."""
-    return ThreadPoolExecutor(1, thread_name_prefix="read-ahead", initializer=_nicer)
+class ReadAheadPool:
+    """The one thread that reads batches ahead, shared by a trainer's readers: ``READ_AHEAD_NICE``
+    nicer than the training thread until steps wait for it (``LATE_STEPS``), then a thread at the
+    trainer's priority for the rest of the run (no thread may be made less nice again without
+    privilege: the nicer one ends after its reads in flight)."""
+
+    def __init__(self) -> None:
+        self.nice, self._late = READ_AHEAD_NICE, 0
+        self._pool = self._new()
+
+    def _new(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(1, thread_name_prefix="read-ahead", initializer=_nicer if self.nice else None)
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def waited(self, seconds: float) -> None:
+        """A step waited ``seconds`` for its batch."""
+        if not self.nice:
+            return
+        self._late = self._late + 1 if seconds > LATE_S else 0
+        if self._late >= LATE_STEPS:
+            self._pool.shutdown(wait=True)  # the other readers' reads in flight end on it
+            self.nice = 0
+            self._pool = self._new()
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def read_ahead_pool() -> ReadAheadPool:
+    """The read-ahead thread of a trainer's readers (``ReadAheadPool``)."""
+    return ReadAheadPool()
 
 
 class Source(Protocol):
@@ -172,7 +205,7 @@ class BatchReader:
         epochs: int = 1,
         read_ahead: bool = False,
         prepare: Callable[[Batch], object] | None = None,
-        pool: ThreadPoolExecutor | None = None,
+        pool: ReadAheadPool | ThreadPoolExecutor | None = None,
     ):
         self.lo, self.hi = rank_slice(global_batch_size, world_size, rank)
         self.source = source
@@ -215,7 +248,10 @@ class BatchReader:
             return False
         at, fut = self._ahead
         self._ahead = None
+        t0 = time.perf_counter()
         batch = fut.result()  # a read error surfaces here, in the caller's thread
+        if position >= 0 and isinstance(self._pool, ReadAheadPool):
+            self._pool.waited(time.perf_counter() - t0)
         return batch if at == position else False
 
     def __next__(self) -> Batch:

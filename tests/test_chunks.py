@@ -63,10 +63,12 @@ def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
     from data.batches import READ_AHEAD_NICE, BatchReader, ChunkReader
     from data.synthetic import SyntheticConfig, SyntheticSource
 
-    seen: set[tuple[str, int]] = set()
+    seen: set[str] = set()
+    nices: list[int] = []
 
     def prepare(batch) -> None:  # on Linux a thread's priority is its own: the read-ahead's is nicer
-        seen.add((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, 0)))
+        seen.add(threading.current_thread().name)
+        nices.append(os.getpriority(os.PRIO_PROCESS, 0))
 
     source = SyntheticSource(SyntheticConfig(rows_per_table=(100,) * 26))
     reader = ChunkReader(source, 96, [0, 2], 3, read_ahead=True, prepare=prepare)
@@ -79,8 +81,34 @@ def test_a_trainer_of_several_chunks_reads_them_on_one_read_ahead_thread():
     finally:
         reader.close()
     assert len(seen) == 1, seen  # one thread read every chunk ahead
-    ((name, nice),) = seen
-    assert name.startswith("read-ahead") and nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + READ_AHEAD_NICE)
+    assert seen.pop().startswith("read-ahead")
+    assert nices[0] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + READ_AHEAD_NICE)
+
+
+def test_a_read_ahead_that_steps_wait_for_runs_at_the_trainers_priority_from_then_on():
+    import os
+    import time
+
+    from data.batches import LATE_STEPS, READ_AHEAD_NICE, BatchReader
+    from data.synthetic import SyntheticConfig, SyntheticSource
+
+    nices: list[int] = []
+
+    def prepare(batch) -> None:  # slower than the loop below: every step waits for its batch
+        nices.append(os.getpriority(os.PRIO_PROCESS, 0))
+        time.sleep(0.02)
+
+    source = SyntheticSource(SyntheticConfig(rows_per_table=(100,) * 26))
+    reader = BatchReader(source, 32, read_ahead=True, prepare=prepare)
+    try:
+        for _ in range(8):
+            next(reader)
+    finally:
+        reader.close()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    # the first batch is read by the step itself; the next LATE_STEPS on the nicer thread, which the
+    # steps waited for; the rest on a thread at the trainer's priority
+    assert nices == [min(19, base + READ_AHEAD_NICE)] * LATE_STEPS + [base] * (8 - LATE_STEPS), nices
 
 
 def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
