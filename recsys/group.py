@@ -9,9 +9,10 @@ With one trainer every collective is the identity.
 
 Row gradients (sync semantics): each trainer's loss is the mean over its B samples, so the global
 loss over the W*B samples is the mean of the trainers' losses and its gradient for a row is
-``(1/W) * sum_r grad_r``. Every trainer all-gathers (table, row, grad) of all trainers, sums per
-row in a fixed order (rank 0's rows first), divides by W, and applies only the rows of the shards
-it owns: shard ``s`` is written by trainer ``s % W`` alone (one writer per shard per step). Every
+``(1/W) * sum_r grad_r``. Every trainer all-gathers (table, row, grad) of all trainers (in the
+dense gradients' all-gather), sums per row in chunk order, divides by the chunks, and applies only
+the rows of the shards it owns (``--row-exchange scatter``: each row's gradient to the trainer that
+owns its key, which sums it, then the sums all-gathered; the same bits): shard ``s`` is written by trainer ``s % W`` alone (one writer per shard per step). Every
 trainer also learns the full set of rows updated this step, which keeps its prefetched rows
 coherent.
 """

@@ -107,8 +107,10 @@ def test_a_read_ahead_that_steps_wait_for_runs_at_the_trainers_priority_from_the
         reader.close()
     base = os.getpriority(os.PRIO_PROCESS, 0)
     # the first batch is read by the step itself; the next LATE_STEPS on the nicer thread, which the
-    # steps waited for; the rest on a thread at the trainer's priority
-    assert nices == [min(19, base + READ_AHEAD_NICE)] * LATE_STEPS + [base] * (8 - LATE_STEPS), nices
+    # steps waited for; the rest on a thread at the trainer's priority (the last read ahead may be
+    # dropped by the close before it starts)
+    assert nices[:LATE_STEPS] == [min(19, base + READ_AHEAD_NICE)] * LATE_STEPS, nices
+    assert nices[LATE_STEPS:] == [base] * (len(nices) - LATE_STEPS) and len(nices) >= LATE_STEPS + 3, nices
 
 
 def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
