@@ -12,9 +12,9 @@ loss over the W*B samples is the mean of the trainers' losses and its gradient f
 ``(1/W) * sum_r grad_r``. Every trainer all-gathers (table, row, grad) of all trainers (in the
 dense gradients' all-gather), sums per row in chunk order, divides by the chunks, and applies only
 the rows of the shards it owns (``--row-exchange scatter``: each row's gradient to the trainer that
-owns its key, which sums it, then the sums all-gathered; the same bits): shard ``s`` is written by trainer ``s % W`` alone (one writer per shard per step). Every
-trainer also learns the full set of rows updated this step, which keeps its prefetched rows
-coherent.
+owns its key, which sums it, then the sums all-gathered; the same bits): shard ``s`` is written by
+trainer ``s % W`` alone (one writer per shard per step). Every trainer also learns the full set of
+rows updated this step, which keeps its prefetched rows coherent.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from recsys.clock import Collectives
 ROW_EXCHANGES = ("auto", "gather", "scatter")
 SCATTER_FROM = 8
 """``--row-exchange auto``: the trainers from which the rows' gradients are scattered to their owners.
-Below it every trainer gathers every chunk's rows: one collective less, and on paper as few bytes or
-fewer up to 4 trainers (``bench_throughput.py --bytes``; the scatter ran 0.88x / 0.88x / 0.95x of the
-gather at 2 / 3 / 4 trainers on the 2-core development host, docs/benchmarks.md)."""
+Below it every trainer gathers every chunk's rows: one collective less, and on paper fewer bytes below
+4 trainers, 2-9% more at 4 (``bench_throughput.py --bytes``; the scatter ran 0.88x / 0.88x / 0.95x of
+the gather at 2 / 3 / 4 trainers on the 2-core development host, docs/benchmarks.md)."""
 
 
 def owners_of(keys: np.ndarray, world_size: int) -> np.ndarray:

@@ -152,8 +152,9 @@ def bytes_per_step(
 ) -> dict[str, float]:
     """Bytes one trainer sends (= receives) in a step, on paper, for ``w`` trainers:
 
-    - ``allgather`` (``--row-exchange gather``): every trainer's (key, gradient) rows all-gathered,
-      padded to the largest chunk's (gloo's ring: each trainer passes on the other ``w - 1`` parts);
+    - ``allgather`` (``--row-exchange gather``): every trainer's (key, gradient) rows all-gathered
+      with the dense gradients, padded to 1.125x the largest chunk's plus 16 rows (gloo's ring: each
+      trainer passes on the other ``w - 1`` parts);
     - ``reduce_scatter`` (``--row-exchange scatter``): each row's gradient to the trainer owning its
       key (an all-to-all: the ``(w - 1) / w`` of a chunk's rows owned elsewhere), then every owner's
       sums all-gathered, padded to 1.125x the most one owner summed, plus 17 rows (``u_owner``; the
@@ -166,7 +167,7 @@ def bytes_per_step(
     chunk = batch / w
     owner = u_all / w if u_owner is None else u_owner
     return {
-        "allgather": (w - 1) * u_chunk * row,
+        "allgather": (w - 1) * (1.125 * u_chunk + 16) * row,
         "reduce_scatter": (w - 1) / w * u_chunk * row + (w - 1) * (1.125 * owner + 17) * row,
         "alltoall": (w - 1) / w * (chunk * tables * 8 + 2 * chunk * tables * dim * 4),
     }
