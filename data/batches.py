@@ -71,11 +71,6 @@ class ReadAheadPool:
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def read_ahead_pool() -> ReadAheadPool:
-    """The read-ahead thread of a trainer's readers (``ReadAheadPool``)."""
-    return ReadAheadPool()
-
-
 class Source(Protocol):
     num_rows: int | None
 
@@ -216,7 +211,7 @@ class BatchReader:
             raise DataError(f"source has {source.num_rows} rows, fewer than one global batch of {global_batch_size}")
         # ``pool``: a read-ahead thread shared with other readers of the same source (its owner closes it)
         self._owns_pool = pool is None
-        self._pool = pool if pool is not None else read_ahead_pool() if read_ahead else None
+        self._pool = pool if pool is not None else ReadAheadPool() if read_ahead else None
         self._ahead: tuple[int, Future] | None = None  # (position, its batch or None past the end)
         self.prepare = prepare
 
@@ -315,7 +310,7 @@ class ChunkReader:
         if not chunks:
             raise ValueError("ChunkReader needs at least one chunk")
         self.chunks = list(chunks)
-        self._pool = read_ahead_pool() if kw.pop("read_ahead", False) else None
+        self._pool = ReadAheadPool() if kw.pop("read_ahead", False) else None
         self.readers = [
             BatchReader(source, global_batch_size, world_size=num_chunks, rank=c, pool=self._pool, **kw) for c in chunks
         ]

@@ -99,6 +99,31 @@ def run_group(train, world_size: int, rank: int) -> TrainerGroup:
     return TrainerGroup(world_size, rank, train.chunks, exact=exact, row_exchange=train.row_exchange)
 
 
+def _fit(top: int) -> int:
+    """The rows a trainer's part of a gather holds next step, from the most any trainer had this step
+    (every trainer learned every count: the same on each)."""
+    return top + top // 8 + 16
+
+
+def _gather_rest(comm, blocks: list[torch.Tensor], sizes: list[int], fit: int, cols: int, fill) -> list[torch.Tensor]:
+    """``blocks``: each trainer's rows (``sizes`` of them) as far as ``fit`` held them; where some
+    trainer had more, the rest of each in a second all-gather, appended. ``fill(out)`` writes this
+    trainer's rows past ``fit`` into ``out``."""
+    top = max(sizes)
+    if top <= fit:
+        return blocks
+    rest = torch.empty((top - fit, cols), dtype=torch.int32)  # past a trainer's own rows: never read
+    fill(rest)
+    more = [torch.empty_like(rest) for _ in blocks]
+    comm.all_gather(more, rest)
+    return [torch.cat([b, m[: max(0, n - fit)]]) for b, m, n in zip(blocks, more, sizes)]
+
+
+def _joined_grads(parts: list[tuple[np.ndarray, torch.Tensor]]) -> torch.Tensor:
+    """The chunks' row gradients, one after the other, float32 [n, dim]."""
+    return (torch.cat([g for _, g in parts]) if len(parts) > 1 else parts[0][1]).detach().to(torch.float32)
+
+
 def _counts_of(chunk_keys: list[np.ndarray], scatters: bool, world_size: int) -> np.ndarray:
     """Each chunk's rows, [chunks, 1]; where they are scattered, its rows for each owner, [chunks, W]."""
     if not scatters:
@@ -367,7 +392,7 @@ class TrainerGroup:
         fit = 0
         if counts is not None and not self.scatters:
             keys = torch.from_numpy(np.concatenate([k for k, _ in chunk_rows]))
-            grads = torch.cat([g.detach().to(torch.float32) for _, g in chunk_rows])
+            grads = _joined_grads(chunk_rows)
             fit = self._rows_fit
         dense, cols = most * (width + extra), 2 + (0 if grads is None else grads.shape[1])
         if mine.dtype != torch.float32:  # no counts nor rows beside them: gathered in their own dtype
@@ -392,36 +417,30 @@ class TrainerGroup:
             ]
         if keys is not None:  # the rows that fitted, then the rest where some trainer had more
             sizes = [int(c.sum()) for c in self._row_counts]
-            top = max(sizes)
             blocks = [p[dense : dense + min(n, fit) * cols].view(-1, cols) for p, n in zip(every, sizes)]
-            if top > fit:
-                rest = torch.empty((top - fit, cols), dtype=torch.int32)
-                left = max(0, len(keys) - fit)
-                _rows_bits(keys[fit:], grads[fit:], rest[:left])
-                more = [torch.empty_like(rest) for _ in range(self.world_size)]
-                self.comm.all_gather(more, rest)
-                blocks = [torch.cat([b, m[: max(0, n - fit)]]) for b, m, n in zip(blocks, more, sizes)]
+            left = max(0, len(keys) - fit)
+            blocks = _gather_rest(
+                self.comm, blocks, sizes, fit, cols, lambda out: _rows_bits(keys[fit:], grads[fit:], out[:left])
+            )
             self._gathered = _bits_rows(torch.cat(blocks))
-            self._rows_fit = top + top // 8 + 16  # the same on every trainer: each learned every count
+            self._rows_fit = _fit(max(sizes))
         return parts, width
 
     def aggregate(self, parts: list[tuple[np.ndarray, torch.Tensor]], shard_map: ShardMap) -> StepUpdate:
         """This trainer's chunks' per-row gradients (per chunk, in its chunk order: packed keys [n],
         grads [n, dim]) summed over every chunk in chunk order, divided by the chunks."""
         keys = np.concatenate([k for k, _ in parts]) if len(parts) > 1 else parts[0][0]
-        grads = torch.cat([g.detach().to(torch.float32) for _, g in parts]) if len(parts) > 1 else parts[0][1]
-        grads = grads.detach().to(torch.float32)
         counts = [len(pk) for pk, _ in parts]
         known, self._row_counts = self._row_counts, None  # gathered with the dense gradients, if so
         if known is not None and known[self.rank].sum(1).tolist() != counts:
             raise RuntimeError(f"trainer {self.rank}: rows {known[self.rank].sum(1).tolist()} gathered, {counts} now")
         as_staged = False  # the sums' keys are this trainer's one forward's, as the stage looked them up
         if self.scatters:
-            uniq, summed = self._scatter_rows(parts, keys, grads, known)
+            uniq, summed = self._scatter_rows(parts, keys, _joined_grads(parts), known)
         else:
             totals = None if known is None else [c[:, 0].tolist() for c in known]
             gathered, self._gathered = self._gathered, None  # gathered with the dense gradients, if so
-            k, g = gathered or self.all_gather_rows(torch.from_numpy(keys), grads, totals)
+            k, g = gathered or self.all_gather_rows(torch.from_numpy(keys), _joined_grads(parts), totals)
             if self.num_chunks > self.world_size:  # several chunks a trainer: the rows put in chunk order
                 k, g = self._chunk_order(k, g, counts, totals)
             if self.num_chunks == 1 and (len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))):
@@ -480,15 +499,10 @@ class TrainerGroup:
         every = [torch.empty_like(pad) for _ in range(w)]
         self.comm.all_gather(every, pad)
         sizes = [int(p[0, 0]) for p in every]
-        most = max(sizes)
-        self._sums_fit = most + most // 8 + 16  # the same on every trainer: each learned every count
+        self._sums_fit = _fit(max(sizes))
         blocks = [p[1 : 1 + min(n, fit)] for p, n in zip(every, sizes)]
-        if most > fit:  # some owner summed more rows than fitted: the rest in a second gather
-            rest = torch.empty((most - fit, 2 + dim), dtype=torch.int32)
-            rest[: max(0, len(uniq) - fit)] = mine_rows[fit:]
-            more = [torch.empty_like(rest) for _ in range(w)]
-            self.comm.all_gather(more, rest)
-            blocks = [torch.cat([b, m[: max(0, n - fit)]]) for b, m, n in zip(blocks, more, sizes)]
+        left = max(0, len(uniq) - fit)
+        blocks = _gather_rest(self.comm, blocks, sizes, fit, 2 + dim, lambda out: out[:left].copy_(mine_rows[fit:]))
         k_all, g_all = _bits_rows(torch.cat(blocks))
         at = np.argsort(k_all.numpy(), kind="stable")  # the owners' sorted runs, merged
         return k_all[torch.from_numpy(at)], g_all[torch.from_numpy(at)]
