@@ -92,16 +92,16 @@ class PeerFront:
         """Every peer row forgotten (``RowCache.drop_peers``)."""
         self.cache.drop_peers()
 
-    def learn_peer_rows(self, keys: np.ndarray, shards: np.ndarray) -> int:
-        """At a step's stage, on the training thread: the rows of ``keys`` (sorted packed keys;
-        ``shards``: the shard of each) of peer shards that are neither kept here nor known never
-        written, read from their shards and kept. -> rows read."""
+    def learn_peer_rows(self, keys: np.ndarray) -> int:
+        """At a step's stage, on the training thread: the rows of ``keys`` (sorted packed keys) of
+        peer shards that are neither kept here nor known never written, read from their shards and
+        kept. -> rows read. Their shards are looked up only where some may be missing."""
         peers = self.cache.peers
         if peers is None or not peers.capacity or not len(keys):
             return 0
         if peers.complete and peers.direct:  # every row of theirs kept or known never written, for good
             return 0
-        theirs = np.isin(shards, list(peers.shards))
+        theirs = np.isin(self.cache.shard_map.shard_of_keys(keys), list(peers.shards))
         k = keys[theirs] if not theirs.all() else keys
         if not len(k):
             return 0

@@ -208,7 +208,7 @@ class StoreBackend(Backend):
             keys = self.ebc.unique_keys(b.sparse_features)
             self._serve(keys, training=True)
             if peers:  # before the rows are staged: those kept here are not read
-                self.store.learn_peer_rows(keys, self.store.shard_map.shard_of_keys(keys))
+                self.store.learn_peer_rows(keys)
             self.stager.stage(keys, more=i > 0)
 
     def end_chunk(self) -> None:
