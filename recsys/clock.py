@@ -3,8 +3,10 @@ trainer's speed (the trainers found slow, and the chunks that follow speed: ``pl
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Iterable
 
 import numpy as np
 from tqdm import tqdm
@@ -46,6 +48,65 @@ def thread_sched() -> tuple[float, float, float] | None:
         return None
 
 
+CPU_KINDS = ("training", "helpers", "gloo", "torchft", "servers")
+
+
+def _on_cpu(path: str) -> float:
+    with open(path) as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def _kind(comm: str) -> str:
+    if comm.startswith(("gloo", "pt_gloo")):
+        return "gloo"
+    return "torchft" if comm.startswith("torchft") else "helpers"
+
+
+def process_cpu(servers: Iterable[int] = ()) -> dict[tuple[int, int], tuple[str, float]] | None:
+    """Seconds on a CPU so far of this process's threads alive now and of the processes ``servers``
+    (the local shards' servers, every thread), by (pid, thread id): (kind, seconds). Kinds:
+    ``training``, this process's main thread; ``gloo``, gloo's transport threads; ``torchft``,
+    torchft's manager threads; ``helpers``, its every other thread (the read-ahead, the write-behind,
+    the logs, torch's own); ``servers``. From Linux's ``/proc/*/task/*/schedstat``; None where there
+    is none."""
+    me, out = os.getpid(), {}
+    for pid in (me, *servers):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # gone (a killed shard): what it ran is not counted
+            if pid == me:
+                return None
+            continue
+        for tid in tids:
+            try:
+                if pid != me:
+                    kind = "servers"
+                elif tid == me:
+                    kind = "training"
+                else:
+                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                        kind = _kind(f.read().strip())
+                out[(pid, tid)] = (kind, _on_cpu(f"/proc/{pid}/task/{tid}/schedstat"))
+            except (OSError, ValueError):  # the thread ended meanwhile
+                continue
+    return out
+
+
+def cpu_between(first, last, steps: int) -> dict[str, float | None] | None:
+    """ms on a CPU a step by kind between two ``process_cpu`` snapshots ``steps`` steps apart, of
+    the threads alive at the last (a thread that ended meanwhile is not counted); ``servers`` None
+    where none was counted. None without both snapshots."""
+    if first is None or last is None or steps <= 0:
+        return None
+    out = dict.fromkeys(CPU_KINDS, 0.0)
+    for key, (kind, seconds) in last.items():
+        out[kind] += seconds - first.get(key, (kind, 0.0))[1]
+    ms: dict[str, float | None] = {k: round(v * 1000 / steps, 2) for k, v in out.items()}
+    if not any(kind == "servers" for kind, _ in last.values()):
+        ms["servers"] = None
+    return ms
+
+
 class StepClock:
     """Where a step's time goes: seconds per part (rows in, data, compute, rows out, waiting), summed.
     And how the training thread spent the steps after the warm-up (``marks``): on a CPU, runnable but
@@ -56,6 +117,7 @@ class StepClock:
         self.parts: dict[str, float] = {}
         self._t = 0.0
         self.marks: list[tuple[int, tuple[float, float, float] | None]] = []  # (step, thread_sched())
+        self.cpu: list[dict[tuple[int, int], tuple[str, float]] | None] = []  # process_cpu() a mark
 
     def start(self, t: float) -> None:
         self._t = t
@@ -68,9 +130,19 @@ class StepClock:
     def per_step_ms(self, steps: int) -> dict[str, float]:
         return {k: round(1000 * v / max(1, steps), 2) for k, v in self.parts.items()}
 
-    def mark(self, step: int) -> None:
-        """The training thread's scheduler times as of the end of ``step``."""
+    def mark(self, step: int, servers: Iterable[int] = ()) -> None:
+        """The training thread's scheduler times as of the end of ``step``, and this process's
+        threads' and the processes ``servers``' CPU (``process_cpu``)."""
         self.marks.append((step, thread_sched()))
+        self.cpu.append(process_cpu(servers))
+
+    def cpu_ms(self) -> dict[str, float | None] | None:
+        """Per step between the first and the last mark: ms on a CPU by kind (``cpu_between``). None
+        without two marks (or schedstat)."""
+        if len(self.cpu) < 2:
+            return None
+        (s0, _), (s1, _) = self.marks[0], self.marks[-1]
+        return cpu_between(self.cpu[0], self.cpu[-1], s1 - s0)
 
     def thread_ms(self) -> dict[str, float] | None:
         """Per step between the first and the last mark: the training thread's wall time, time on a

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from data.batches import BatchReader, ChunkReader, make_batch
 from data.progress import progress
-from embeddings.servers.launcher import ShardSpec
+from embeddings.servers.launcher import ShardSpec, server_pids
 from embeddings.store.outage import ColdRows
 from recovery.durable.dense import DenseSaver, NoDenseSaver
 from recovery.errors import CorruptCheckpointError, NoCheckpointError, RecoveryError
@@ -279,7 +279,7 @@ class Trainer:
                         self.show_progress(bar)
                         if self.step - self._first_step + 1 == WARMUP_STEPS:
                             self._warm = (self.step, time.perf_counter())
-                            self.clock.mark(self.step)
+                            self.clock.mark(self.step, server_pids(self.specs))
                         self.step += 1
                         batch = nxt
                         if self.balance.next is not None:  # chunks follow speed from this step
@@ -687,7 +687,7 @@ class Trainer:
     def finish(self) -> tuple[Outcome, dict | None]:
         """Final evaluation and embedding digest under the protocol; rank 0 writes the run's outputs."""
         wall = time.perf_counter() - self.t0
-        self.clock.mark(self.steps)
+        self.clock.mark(self.steps, server_pids(self.specs))
         self.recovery.end_outage(self.steps + 1)  # a shard restored in the background rejoins first
         out = self.recovery.commit_behind(self.steps, reads=True)  # the last step's write-behind
         if out.rolled_back:

@@ -71,3 +71,57 @@ def test_a_run_folder_is_read_where_it_lies_and_names_the_folders_outside_it(tmp
     assert line.startswith(f"verify: reads --log-dir {elsewhere}, outside the run folder {now}"), line
     default = run_config(now)  # the default folders follow the run's folder
     assert layout.config_file(now).read_text().count(str(was)) == 2 and default.train.out == str(now)
+
+
+def _burn(seconds: float) -> None:
+    import time
+
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
+        pass
+
+
+def test_process_cpu_splits_this_process_by_thread_and_counts_a_server_by_its_pid():
+    """``summary.json``'s ``cpu_ms``: the main thread as the training thread, every other thread of
+    the process by kind, and other processes (the local servers) by pid, each counted on a CPU only
+    between the two snapshots; a thread that ended meanwhile is not counted."""
+    import subprocess
+    import sys
+    import threading
+
+    from recsys.clock import cpu_between, process_cpu
+
+    burn = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    burnt, release = threading.Event(), threading.Event()
+
+    def live() -> None:
+        _burn(0.15)
+        burnt.set()
+        release.wait(30)
+
+    try:
+        first = process_cpu([child.pid])
+        assert first is not None and any(key[0] == child.pid for key in first)
+        _burn(0.2)  # the main thread: the training thread
+        ended = threading.Thread(target=_burn, args=(0.2,))
+        ended.start()
+        ended.join()
+        alive = threading.Thread(target=live)
+        alive.start()
+        assert burnt.wait(30) and child.stdout.readline() == "done\n"
+        last = process_cpu([child.pid])
+    finally:
+        release.set()
+        child.kill()
+        child.wait()
+    ms = cpu_between(first, last, steps=10)
+    assert ms is not None
+    assert 18 <= ms["training"] <= 40  # 0.2 s over 10 steps
+    assert 13 <= ms["helpers"] <= 40  # the live thread's 0.15 s; not the ended one's
+    assert 25 <= ms["servers"] <= 60  # the child's 0.3 s (and its start), all after the first snapshot
+    assert ms["gloo"] < 1 and ms["torchft"] < 1
+    assert cpu_between(first, process_cpu(), steps=10)["servers"] is None  # no server counted: not zero
+    assert cpu_between(None, last, steps=10) is None

@@ -119,6 +119,11 @@ def test_cli_run_writes_all_outputs(tmp_path):
         abs(thread["on_cpu"] + thread["runnable"] + thread["blocked"] - thread["wall"]) < 0.05 + 0.01 * thread["wall"]
     )
     assert thread["wall"] == pytest.approx(1000 * 128 / summary["throughput_after_warmup_samples_per_s"], rel=0.2)
+    # the CPU of those steps by kind: the training thread's is the one above; gloo moved the trainers'
+    # collectives; the 2 local servers served the rows
+    cpu = summary["cpu_ms"]
+    assert cpu["training"] == pytest.approx(thread["on_cpu"], abs=0.05, rel=0.02)
+    assert cpu["gloo"] > 0 and cpu["servers"] > 0 and cpu["helpers"] > 0
     assert summary["failures"] == [] and len(summary["embedding_digest"]) == 64
     assert 0.5 < summary["ceiling_auc"] < 1 and 0 < summary["final_auc"] < 1
     assert (out / "plots" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -117,6 +117,17 @@ class ShardSpec:
         return Path(self.workdir) / "redis.pid"
 
 
+def server_pids(specs: list[ShardSpec]) -> list[int]:
+    """The pids of the local shards' servers now (their pidfiles); a shard being restarted has none."""
+    pids = []
+    for spec in specs:
+        try:
+            pids.append(int(spec.pidfile.read_text()))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def write_shard_config(spec: ShardSpec) -> Path:
     if spec.tls_cert_file:  # TLS only: the plain port is closed
         ports = ["port 0", f"tls-port {spec.port}", f"tls-cert-file {spec.tls_cert_file}"]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from recsys.clock import CPU_KINDS, cpu_between, process_cpu
+
 WARMUP = 10
 
 
@@ -113,13 +115,18 @@ def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int
         for b in batches[:WARMUP]:
             step(b)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), process_cpu()
         for b in batches[WARMUP:]:
             step(b)
+        cpu1 = process_cpu()
         dist.barrier()
         elapsed = time.perf_counter() - t0
         if rank == 0:
-            res = {"samples_per_s": steps * cfg.train.batch_size / elapsed, "step_ms": 1000 * elapsed / steps}
+            res = {
+                "samples_per_s": steps * cfg.train.batch_size / elapsed,
+                "step_ms": 1000 * elapsed / steps,
+                "cpu_ms": cpu_between(cpu0, cpu1, steps),
+            }
             Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
@@ -181,11 +188,11 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
     run's summary; ``fused()``: torchrec's fused engine in one process (samples/s), measured in
     each round of W = 1 too. -> W -> {"dmp": [samples/s], "tier": [samples/s], "fused": [samples/s]
     (W = 1), "parts": the tier's last ``step_ms``, "collectives": its last ``collectives_ms``, "dmp_ms": [...],
-    "batch": the global batch}."""
+    "cpu": {"tier": [...], "dmp": [...]} (trainer 0's and rank 0's ``cpu_ms`` a round), "batch": the global batch}."""
 
     out: dict[int, dict] = {}
     for w in [int(x) for x in args.dmp.split(",")]:
-        got: dict = {"dmp": [], "tier": [], "fused": [], "dmp_ms": [], "parts": {}}
+        got: dict = {"dmp": [], "tier": [], "fused": [], "dmp_ms": [], "parts": {}, "cpu": {"tier": [], "dmp": []}}
         batch = args.batch_size
         args.batch_size = batch - batch % w  # a global batch that splits over W (1023 for 3 out of 1024)
         got["batch"] = args.batch_size
@@ -199,6 +206,7 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
                     d = dmp_samples_per_s(cfg, w, args.steps)
                     got["dmp"].append(d["samples_per_s"])
                     got["dmp_ms"].append(d["step_ms"])
+                    got["cpu"]["dmp"].append(d.get("cpu_ms"))
                 else:
                     summary = run_tier(cfg)
                     got["tier"].append(
@@ -206,6 +214,7 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
                     )
                     got["parts"] = summary["step_ms"]
                     got["collectives"] = summary.get("collectives_ms") or {}
+                    got["cpu"]["tier"].append(summary.get("cpu_ms"))
             print(
                 f"W={w} round {i + 1}: tier {got['tier'][-1]:,.0f}, DMP {got['dmp'][-1]:,.0f} samples/s",
                 file=sys.stderr,
@@ -241,6 +250,30 @@ def print_bytes(args) -> None:
             )
 
 
+def print_cpu(got: dict[int, dict]) -> None:
+    """Where the CPU of a step goes, the tier's trainer 0 beside DMP's rank 0 (medians of rounds, ms
+    a step after the warm-up, ``recsys.clock.process_cpu``'s kinds): what W processes on the host's
+    cores must fit into a step."""
+    kinds = list(CPU_KINDS)
+    print("\nCPU a step (ms, medians of rounds): trainer 0's or rank 0's threads by kind, the local servers (all)\n")
+    print("| W | engine | " + " | ".join(kinds) + " | a trainer's share: its threads + servers / W | step (ms) |")
+    print("|---|---|" + "---|" * (len(kinds) + 2))
+    for w, g in got.items():
+        steps = {
+            "tier": [1000 * g["batch"] / x for x in g["tier"]],
+            "DMP": g["dmp_ms"],
+        }
+        for name, rounds in (("tier", g["cpu"]["tier"]), ("DMP", g["cpu"]["dmp"])):
+            rounds = [r for r in rounds if r]
+            if not rounds:
+                continue
+            med = {k: float(np.median([r.get(k) or 0.0 for r in rounds])) for k in kinds}
+            share = sum(v for k, v in med.items() if k != "servers") + med["servers"] / w
+            ran = {k for r in rounds for k, v in r.items() if v is not None}  # DMP has no servers: "-"
+            cells = " | ".join(f"{med[k]:.2f}" if k in ran else "-" for k in kinds)
+            print(f"| {w} | {name} | {cells} | **{share:.2f}** | {float(np.median(steps[name])):.1f} |")
+
+
 def print_dmp(args, got: dict[int, dict]) -> None:
     """The several-trainers table (tier against DMP on as many ranks, each round's ratio and the
     median) and its plot (``--dmp-plot``)."""
@@ -267,6 +300,7 @@ def print_dmp(args, got: dict[int, dict]) -> None:
             f"{', '.join(f'{x:.2f}' for x in ratios)} | **{medians[w][2]:.2f}x** | "
             f"{np.median(g['dmp_ms']):.1f} | {cells} |"
         )
+    print_cpu(got)
     one = got.get(1, {})
     if one.get("fused"):
         ratios = [t / f for t, f in zip(one["tier"], one["fused"])]

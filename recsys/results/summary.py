@@ -156,6 +156,8 @@ def run_summary(
         "step_ms": clock.per_step_ms(steps),
         # after the warm-up: the training thread on a CPU, runnable but off one, blocked
         "training_thread_ms": clock.thread_ms(),
+        # after the warm-up, ms on a CPU a step: this trainer's threads by kind, and every local server
+        "cpu_ms": clock.cpu_ms(),
         # rank 0's time in the trainers' collectives (within the parts above), ms and calls a step
         "collectives_ms": Collectives.per_step(steps) if world_size > 1 else None,
         "dense_saves": dense_saves,
