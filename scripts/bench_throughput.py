@@ -91,8 +91,10 @@ def tput(summary: dict) -> float:
 
 def step_parts(summary: dict) -> dict:
     """``summary.json``'s step-time parts, and the training thread's time on a CPU, runnable but off
-    one, and blocked (ms per step after the warm-up)."""
-    return {**summary["step_ms"], **(summary.get("training_thread_ms") or {})}
+    one, and blocked, and the process's and its local servers' CPU by kind (``cpu_<kind>``; ms per
+    step after the warm-up)."""
+    cpu = {f"cpu_{k}": v for k, v in (summary.get("cpu_ms") or {}).items()}
+    return {**summary["step_ms"], **(summary.get("training_thread_ms") or {}), **cpu}
 
 
 def config(
@@ -694,12 +696,14 @@ def print_table(args, rows: list) -> None:
         + " | ".join(parts[:6])
         + " (ms/step) | training thread "
         + " / ".join(parts[6:])
-        + " (ms/step) |"
+        + " (ms/step) | CPU: training / helpers / servers (ms/step) |"
     )
-    print("|---" * (8 + len(parts[:6])) + "|")
+    print("|---" * (9 + len(parts[:6])) + "|")
+    cpu = ["cpu_training", "cpu_helpers", "cpu_servers"]
     for name, s, w, p, rate, ms, whole in rows:
         cells = " | ".join(str(ms.get(k, "")) for k in parts[:6])
         cells += " | " + (" / ".join(str(ms[k]) for k in parts[6:]) if "on_cpu" in ms else "")
+        cells += " | " + (" / ".join(str(ms[k]) if ms[k] is not None else "-" for k in cpu) if cpu[0] in ms else "")
         whole = f"{whole:,.0f}" if whole is not None else ""
         print(f"| {name} | {s} | {w} | {p} | {rate:,.0f} | {rate / ref:.2f}x | {whole} | {cells} |")
 
