@@ -202,8 +202,12 @@ class RecoveryManager:
     def commit(self, step: int, phase: str) -> Outcome:
         return self.points.commit(step, phase)
 
-    def run_phase(self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object]) -> Outcome:
-        return self.points.run_phase(step, phase, fn)
+    def run_phase(
+        self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object], after: Outcome | None = None
+    ) -> Outcome:
+        """``CommitPoints.run_phase``; a stage whose commit point rode in the dense gather:
+        ``points.stage_ahead``, ``take_flags``, ``commit_agreed``."""
+        return self.points.run_phase(step, phase, fn, after)
 
     def commit_behind(self, now: int, reads: bool = False) -> Outcome:
         return self.points.commit_behind(now, reads)

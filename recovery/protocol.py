@@ -152,11 +152,15 @@ class Detector:
     def flagged(self) -> list[int]:
         return np.flatnonzero(self.flags).tolist()
 
+    def take(self) -> np.ndarray:
+        """The shards this trainer saw fail since the last commit point, as flags (then cleared)."""
+        flags = self.flags.copy()
+        self.flags[:] = 0
+        return flags
+
     def sync(self) -> list[int]:
         """Failed shards seen by any trainer since the last commit point (a collective)."""
-        flags = self.collective.max_flags(self.flags.copy())
-        self.flags[:] = 0
-        return [int(s) for s in np.flatnonzero(flags)]
+        return [int(s) for s in np.flatnonzero(self.collective.max_flags(self.take()))]
 
     def forget(self, shard: int) -> None:
         """The shard is back: its next failure is timed from scratch."""
@@ -181,7 +185,19 @@ class CommitPoints:
         others, and its part on them is redone before the phase's."""
         if self.detector.flags.any():
             self.writer.on_failure_seen()
-        failed = self.detector.sync()
+        return self.commit_agreed(step, phase, self.detector.sync())
+
+    def take_flags(self) -> np.ndarray:
+        """A commit point whose agreement rides in another collective (``stage_ahead``): what this
+        trainer saw fail, taken as ``commit`` takes it (its write-behind joined first where anything
+        failed), for the trainers to agree on (``commit_agreed``)."""
+        if self.detector.flags.any():
+            self.writer.on_failure_seen()
+        return self.detector.take()
+
+    def commit_agreed(self, step: int, phase: str, failed: list[int]) -> Outcome:
+        """``commit`` once the trainers agree that ``failed`` failed (in its own collective, or in
+        another one: ``take_flags``)."""
         self.writer.keep_redo_of(failed)
         if not failed:
             return CONTINUE
@@ -191,10 +207,17 @@ class CommitPoints:
         self.note(f"step {step} {phase}: shards {failed} failed")
         return self.recover(failed, step, phase)
 
-    def run_phase(self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object]) -> Outcome:
+    def run_phase(
+        self, step: int, phase: str, fn: Callable[[tuple[int, ...] | None], object], after: Outcome | None = None
+    ) -> Outcome:
         """Run ``fn(only)`` under the protocol until it commits: ``only`` is None on the first attempt,
-        then the shards whose part must run again. Returns CONTINUE or a ROLLBACK outcome."""
+        then the shards whose part must run again. Returns CONTINUE or a ROLLBACK outcome. ``after``:
+        a first attempt's outcome agreed elsewhere (``stage_ahead``); RETRY runs its shards again,
+        anything else the whole phase."""
         only = None
+        if after is not None and after.action is Action.RETRY:
+            self.writer.drop_redo(set(after.recovered) - set(after.redo))
+            only = after.redo
         for _ in range(MAX_ATTEMPTS):
             if only is not None:
                 self.writer.redo(only)
@@ -210,6 +233,16 @@ class CommitPoints:
             self.writer.drop_redo(set(out.recovered) - set(out.redo))
             only = out.redo
         raise RecoveryError(f"{phase} at step {step}: shards kept failing after {MAX_ATTEMPTS} recoveries")
+
+    def stage_ahead(self, step: int, fn: Callable[[tuple[int, ...] | None], object]) -> bool:
+        """A step's stage whose commit point rides in the step's dense gather (several trainers,
+        gradients reduced in chunk order): ``fn(None)`` run under the guard, no agreement here; the
+        trainer hands ``take_flags()`` to that gather and ``commit_agreed`` what comes back before
+        anything of the step is kept. -> whether the stage ran (False: a shard failed under it; this
+        trainer computes nothing of the step)."""
+        self._complete_peers()
+        ok, _ = self.detector.guard(lambda: fn(None))
+        return ok
 
     def commit_behind(self, now: int, reads: bool = False) -> Outcome:
         """The commit point of the write-behind in flight (if any): the trainer calls it before the

@@ -97,6 +97,17 @@ class Backend:
         (None: none)."""
         return None
 
+    @property
+    def stages_ahead(self) -> bool:
+        """Whether a step's stage may commit in the dense gather (``CommitPoints.stage_ahead``): no
+        shard away, whose rows every trainer serves in collectives of the stage's own."""
+        return False
+
+    def reset_chunks(self, empty: int = 0) -> None:
+        """This step's row gradients forgotten (a stage failed on some trainer: the step runs
+        again); ``empty``: this trainer computed nothing, and as many chunks without rows stand for
+        its chunks in the dense gather."""
+
     def gradients(self) -> StepUpdate | None:
         """This step's row gradients for the store to apply; None: ``apply_local`` applies them."""
         return None
@@ -216,6 +227,14 @@ class StoreBackend(Backend):
 
     def chunk_rows(self) -> list[tuple[np.ndarray, torch.Tensor]] | None:
         return self._chunks or None
+
+    @property
+    def stages_ahead(self) -> bool:
+        return not self.store.outage_active
+
+    def reset_chunks(self, empty: int = 0) -> None:
+        self.ebc.pop_key_grads()  # the forwards of a step discarded
+        self._chunks = [self.ebc.pop_key_grads() for _ in range(empty)]  # no rows, each at the tables' dim
 
     def _serve(self, keys: np.ndarray, training: bool) -> None:
         if not self.group.solo:

@@ -93,6 +93,11 @@ class StepUpdate:
     """The global gradients of ``updated_keys`` (the rows other trainers write too), [m, dim]."""
 
 
+def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients as one flat tensor (zeros where a parameter has none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
 def run_group(train, world_size: int, rank: int) -> TrainerGroup:
     """The group of a run's trainer ``rank`` of ``world_size`` (``train``: its ``TrainConfig``)."""
     exact = train.dense_reduce == "chunks"
@@ -347,23 +352,28 @@ class TrainerGroup:
         params: list[torch.nn.Parameter],
         flats: list[torch.Tensor],
         chunk_rows: list[tuple[np.ndarray, torch.Tensor]] | None = None,
-    ) -> None:
+        flags: np.ndarray | None = None,
+    ) -> list[int]:
         """Every chunk's dense gradients (``flats``: this trainer's chunks', flattened, in its chunk
         order) gathered, summed in chunk order and divided by the chunks, into ``params``' grads:
         the same bits whichever trainers computed which chunks. ``own_chunk``: all-reduced instead,
         divided by the chunks trained. ``chunk_rows``: each of those chunks' row keys and gradients.
         Their counts (per owner where the rows are scattered) travel in the same collective (more
         columns, their bits), and where they are gathered the rows too, as many as fitted the step
-        before (``_gather_dense``): ``aggregate`` then asks no one."""
+        before (``_gather_dense``): ``aggregate`` then asks no one. ``flags``: a commit point's
+        failed-shard flags (``CommitPoints.take_flags``; only where ``agrees_in_gather``), gathered
+        too. -> the shards any trainer flagged ([] without ``flags``)."""
         mine = torch.stack(flats)
         self._row_counts = self._gathered = None
+        failed: list[int] = []
         if self.averages:
             rows = [mine.sum(0)]
             self.comm.all_reduce(rows[0])
         elif self.solo:
             rows = list(mine)
         else:
-            parts, width = self._gather_dense(mine, chunk_rows if mine.dtype == torch.float32 else None)
+            float32 = mine.dtype == torch.float32
+            parts, width, failed = self._gather_dense(mine, chunk_rows if float32 else None, flags if float32 else None)
             by_chunk = {c: parts[r][i, :width] for r in range(self.world_size) for i, c in enumerate(self.chunks_of(r))}
             rows = [by_chunk[c] for c in range(self.num_chunks)]
         total = rows[0].clone()
@@ -377,17 +387,25 @@ class TrainerGroup:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(total[at : at + n].view_as(p))
             at += n
+        return failed
+
+    def agrees_in_gather(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether the dense gather (``reduce_dense``) can carry a commit point's flags: several
+        trainers gathering float32 gradients in chunk order."""
+        return self.reduces_dense and not self.solo and not self.averages and params[0].dtype == torch.float32
 
     def _gather_dense(
-        self, mine: torch.Tensor, chunk_rows: list[tuple[np.ndarray, torch.Tensor]] | None
-    ) -> tuple[list[torch.Tensor], int]:
+        self, mine: torch.Tensor, chunk_rows: list[tuple[np.ndarray, torch.Tensor]] | None, flags: np.ndarray | None
+    ) -> tuple[list[torch.Tensor], int, list[int]]:
         """One all-gather of every trainer's chunks' dense gradients (``mine``: [chunks, width] float32),
-        padded to the most chunks a trainer has, each chunk's row counts beside them (``_row_counts``);
-        gathering rows, each trainer's rows too, up to ``_rows_fit`` (the rest in a second gather):
-        ``_gathered``, what ``all_gather_rows`` would give. -> (each trainer's [most, width + counts] rows, width)."""
+        padded to the most chunks a trainer has, each chunk's row counts beside them (``_row_counts``)
+        and the ``flags`` after them on the first; gathering rows, each trainer's rows too, up to
+        ``_rows_fit`` (the rest in a second gather): ``_gathered``, what ``all_gather_rows`` would give.
+        -> (each trainer's [most, width + counts + flags] rows, width, the shards any trainer flagged)."""
         most, width = self._most(), mine.shape[1]
         counts = None if chunk_rows is None else _counts_of([k for k, _ in chunk_rows], self.scatters, self.world_size)
-        extra = 0 if counts is None else counts.shape[1]
+        cc = 0 if counts is None else counts.shape[1]
+        extra = cc + (0 if flags is None else len(flags))
         keys = grads = None
         fit = 0
         if counts is not None and not self.scatters:
@@ -402,19 +420,29 @@ class TrainerGroup:
             buf = torch.empty(dense + fit * cols, dtype=torch.int32)
             pad = buf[:dense].view(torch.float32).view(most, width + extra)
         pad[: len(mine), :width] = mine
-        if extra:
-            pad[: len(mine), width:] = torch.from_numpy(counts.astype(np.int32)).view(torch.float32)
+        if cc:
+            pad[: len(mine), width : width + cc] = torch.from_numpy(counts.astype(np.int32)).view(torch.float32)
+        if flags is not None:
+            pad[0, width + cc :] = torch.from_numpy(flags.astype(np.int32)).view(torch.float32)
         if keys is not None:
             n = min(len(keys), fit)
             _rows_bits(keys[:n], grads[:n], buf[dense : dense + n * cols].view(n, cols))
         every = [torch.empty_like(buf) for _ in range(self.world_size)]
         self.comm.all_gather(every, buf)
         parts = [p[:dense].view(mine.dtype).view(most, width + extra) for p in every]
-        if extra:
+        if cc:
             self._row_counts = [
-                parts[r][: len(self.chunks_of(r)), width:].contiguous().view(torch.int32).numpy().astype(np.int64)
+                parts[r][: len(self.chunks_of(r)), width : width + cc]
+                .contiguous()
+                .view(torch.int32)
+                .numpy()
+                .astype(np.int64)
                 for r in range(self.world_size)
             ]
+        failed: list[int] = []
+        if flags is not None:
+            seen = np.stack([p[0, width + cc :].contiguous().view(torch.int32).numpy() for p in parts]).max(0)
+            failed = [int(s) for s in np.flatnonzero(seen)]
         if keys is not None:  # the rows that fitted, then the rest where some trainer had more
             sizes = [int(c.sum()) for c in self._row_counts]
             blocks = [p[dense : dense + min(n, fit) * cols].view(-1, cols) for p, n in zip(every, sizes)]
@@ -424,7 +452,7 @@ class TrainerGroup:
             )
             self._gathered = _bits_rows(torch.cat(blocks))
             self._rows_fit = _fit(max(sizes))
-        return parts, width
+        return parts, width, failed
 
     def aggregate(self, parts: list[tuple[np.ndarray, torch.Tensor]], shard_map: ShardMap) -> StepUpdate:
         """This trainer's chunks' per-row gradients (per chunk, in its chunk order: packed keys [n],

@@ -44,7 +44,7 @@ from recsys.clock import WARMUP_STEPS, ChunkBalance, StepClock, TrainerSpeeds
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
-from recsys.group import TrainerGroup, run_group
+from recsys.group import TrainerGroup, flat_grads, run_group
 from recsys.model import dense_optimizer, dense_params
 from recsys.quorum.epoch import Epoch, dense_crc, meet_quorum, same_everywhere
 from recsys.quorum.replica import PeerLost
@@ -89,9 +89,12 @@ def chunk_reader(source, batch_size: int, group: TrainerGroup, prepare) -> Batch
     return ChunkReader(source, batch_size, group.chunks, group.data_chunks, **kw)
 
 
-def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients as one flat tensor (zeros where a parameter has none)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+def stage_again(recovery, step: int, stage, agreed: Outcome) -> Callable[[], Outcome]:
+    """The stage under the protocol after its commit point rode in the dense gather (``agreed``: what
+    the trainers did then; RETRY runs its shards' part first); called again after a wait for a cold
+    row (``Trainer.exactly``), it starts afresh, as ``run_phase`` does."""
+    first = [agreed]
+    return lambda: recovery.run_phase(step, "stage", stage, after=first.pop() if first else None)
 
 
 PREPARE_AHEAD = 4  # steps between picking a priority save's rows (on its writer thread) and the save
@@ -360,22 +363,51 @@ class Trainer:
             settle = self.checkpointer.settle if self.checkpointer is not None else None
             self.injector.at_step(step, lambda: self.recovery.latest_shard_file(0), settle)
         clock = self.clock
-        out = self.exactly(
-            step, "step", lambda: self.recovery.run_phase(step, "stage", lambda only: self.backend.stage(batch))
-        )
+
+        def stage(only) -> None:
+            self.backend.stage(batch)
+
+        # several trainers reducing in chunk order: the stage's commit point rides in the dense gather
+        ahead = self.group.agrees_in_gather(self.dense) and self.backend.stages_ahead
+        staged, out = True, CONTINUE
+        if ahead:
+            staged = self.recovery.points.stage_ahead(step, stage)
+        else:
+            out = self.exactly(step, "step", lambda: self.recovery.run_phase(step, "stage", stage))
         clock.lap("rows_in")
         if out.rolled_back:
             return out, None, None
         nxt = next(self.reader) if step < self.steps else None
         clock.lap("data")
-        t_compute = time.perf_counter()
-        loss, flats = self.forward_backward(batch, nxt)
-        slow = self.injector.slow_factor(step) if self.injector is not None else 1.0
-        if slow > 1.0:  # --inject slow-trainer: this trainer's compute takes ``slow`` times as long
-            time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
-        self.speed.add(time.perf_counter() - t_compute)  # its own chunks' work, no wait for the others
-        if self.group.reduces_dense:
-            self.group.reduce_dense(self.dense, flats, self.backend.chunk_rows())
+        while True:
+            t_compute = time.perf_counter()
+            if staged:
+                loss, flats = self.forward_backward(batch, nxt)
+                slow = self.injector.slow_factor(step) if self.injector is not None else 1.0
+                if slow > 1.0:  # --inject slow-trainer: this trainer's compute takes ``slow`` times as long
+                    time.sleep((slow - 1.0) * (time.perf_counter() - t_compute))
+                self.speed.add(time.perf_counter() - t_compute)  # its own chunks' work, no wait for the others
+            else:  # a shard failed under this trainer's stage: nothing computed, its chunks go empty
+                chunks = len(batch) if isinstance(batch, list) else 1
+                loss, flats = None, [torch.zeros(sum(p.numel() for p in self.dense))] * chunks
+                self.backend.reset_chunks(chunks)
+            failed = []
+            if self.group.reduces_dense:
+                flags = self.recovery.points.take_flags() if ahead else None
+                failed = self.group.reduce_dense(self.dense, flats, self.backend.chunk_rows(), flags)
+            if not failed:
+                break
+            # some trainer's stage failed: nothing of the step is kept; the shards are recovered, then
+            # the stage (its commit point its own) and the compute run again
+            self.backend.reset_chunks()
+            out = self.recovery.points.commit_agreed(step, "stage", failed)
+            if not out.rolled_back:
+                out = self.exactly(step, "step", stage_again(self.recovery, step, stage, out))
+            if out.rolled_back:
+                return out, None, None
+            ahead, staged = False, True
+        if loss is None:
+            raise RuntimeError(f"step {step}: the stage failed here and no trainer was told")
         clock.lap("compute")
         out = self.commit_sparse(step)
         clock.lap("rows_out")

@@ -34,8 +34,9 @@ def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_en
     assert len(set(digests.values())) == 1, digests
     assert len({s["final_auc"] for s in runs.values()}) == 1
     assert [s["trainers"] for s in runs.values()] == [3, 1, 2]
-    # rank 0's collectives: at least the stage's and the update's agreement, the dense gather (which
-    # carries the rows' counts) and the rows' gather every step; none with one trainer
+    # rank 0's collectives: the update's agreement and the dense gather (which carries the stage's
+    # agreement and the rows' counts) every step, the rows' gather where they did not fit, the
+    # checkpoints' and the run's end (12 steps: 4 a step at least); none with one trainer
     assert runs["one"]["collectives_ms"] is None
     for name in ("three", "two"):
         c = runs[name]["collectives_ms"]
@@ -219,13 +220,16 @@ def _two_ranks(rank: int, store_path: str, out) -> None:
                 parts.append((keys, torch.from_numpy(rng.standard_normal((len(keys), 4)).astype(np.float32))))
             p = torch.nn.Parameter(torch.zeros(60))
             calls = Collectives.calls
-            group.reduce_dense([p], flats, parts if with_counts else None)
+            flags = np.zeros(3, np.int64)  # a commit point's: trainer 1 saw shard 2 fail in the second step
+            flags[2] = int(rank == 1 and draws == 90)
+            failed = group.reduce_dense([p], flats, parts if with_counts else None, flags)
             update = group.aggregate(parts, shard_map)
             steps.append(
                 (
                     p.grad.numpy().copy(),
                     update.updated_keys,
                     update.updated_grads.numpy().copy(),
+                    failed,
                     Collectives.calls - calls,
                 )
             )
@@ -237,7 +241,8 @@ def _two_ranks(rank: int, store_path: str, out) -> None:
 def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_path):
     """2 real gloo processes, 2 chunks each: the rows' counts gathered in the dense gradients'
     collective spare the counts' own two (the trainers' and the chunks'); the rows scattered to their
-    owners, summed there and the sums gathered, give every bit the gather gives."""
+    owners, summed there and the sums gathered, give every bit the gather gives; a commit point's
+    flags ride in the same gather (a stage's failure, ``CommitPoints.stage_ahead``)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -251,10 +256,12 @@ def test_the_rows_counts_travel_with_the_dense_gradients_on_the_same_bits(tmp_pa
         assert p.exitcode == 0
     for rank in (0, 1):
         for step in range(4):
-            (g1, k1, r1, _), *others = [variant[step] for variant in results[rank]]
+            (g1, k1, r1, _, _), *others = [variant[step] for variant in results[rank]]
             assert len(k1) > (5, 40, 60, 5)[step] and np.all(np.diff(k1) > 0)
-            for g2, k2, r2, _ in others:
+            for g2, k2, r2, _, _ in others:
                 assert np.array_equal(g1, g2) and np.array_equal(k1, k2) and np.array_equal(r1, r2)
+            # the flags ride in the dense gather, in no collective of their own (the counts below)
+            assert [variant[step][3] for variant in results[rank]] == [[2] if step == 1 else []] * len(_EXCHANGES)
         # gather: the dense gather carries the counts and as many rows as fitted the step before (none
         # on the first), the rest in a second; without the counts, the rows' gather, theirs and the
         # chunks' too; scatter: the dense gather, the all-to-all and the sums' gather (and the counts'),

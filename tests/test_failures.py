@@ -66,6 +66,28 @@ def test_log_recovery_of_a_killed_shard_ends_bit_for_bit(tmp_path, baseline):
     assert all(c["pause_s"] < c["total_s"] or c["total_s"] == 0 for c in s["checkpoints"])
 
 
+def test_a_stage_failure_agreed_in_the_dense_gather_runs_the_step_again_bit_for_bit(tmp_path, baseline):
+    """2 trainers reducing in chunk order agree on a stage's failure in the step's dense gather, not
+    in a collective of the stage's own (``CommitPoints.stage_ahead``). A cache holding a sixth of the
+    rows makes every stage read rows from the shards: the one after shard 1's kill fails, the trainer
+    whose stage failed computes nothing, every trainer drops the step's compute, the shard is restored
+    from its log, and the stage and the compute run again: the digest of no failure."""
+    s = train(
+        tmp_path,
+        "--recovery",
+        "log",
+        "--checkpoint-every",
+        "10",
+        "--held-rows-mb",
+        "0.3",
+        "--inject",
+        "shard:1@step=25",
+    )
+    (f,) = s["failures"]
+    assert (f["phase"], f["step"], f["target"], f["lost_updates"]) == ("stage", 25, 1, 0)
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+
+
 def test_full_recovery_replays_from_the_checkpoint_to_the_same_digest(tmp_path, baseline):
     s = train(tmp_path, "--recovery", "full", "--checkpoint-every", "10", "--inject", "shard:2@step=27")
     (f,) = s["failures"]
