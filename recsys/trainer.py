@@ -405,6 +405,7 @@ class Trainer:
                 out = self.exactly(step, "step", stage_again(self.recovery, step, stage, out))
             if out.rolled_back:
                 return out, None, None
+            clock.lap("rows_in")  # the recovery and the stage again
             ahead, staged = False, True
         if loss is None:
             raise RuntimeError(f"step {step}: the stage failed here and no trainer was told")
