@@ -59,7 +59,8 @@ def test_log_recovery_of_a_killed_shard_ends_bit_for_bit(tmp_path, baseline):
     # the restore's parts are timed, and they make up (most of) it; the call that saw the failure ran
     # no longer than the time since the kill
     assert {"checkpoint", "kill", "copy", "start", "replay_read", "replay_write"} <= set(f["phases_s"])
-    assert 0 < sum(f["phases_s"].values()) <= f["recovery_s"]
+    # each figure rounded to 0.1 ms: their sum may pass the rounded whole by half of that each
+    assert 0 < sum(f["phases_s"].values()) <= f["recovery_s"] + 5e-5 * (len(f["phases_s"]) + 1)
     assert 0 <= f["failed_call_s"] <= f["detected_after_s"]
     assert s["embedding_digest"] == baseline["embedding_digest"]
     assert s["pls"] == 0.0 and s["log_bytes"] > 0 and s["log_fsync"] == "always"
