@@ -33,6 +33,7 @@ BASE = [
     "--write-every",
     "1",
 ]
+LOG = ("--recovery", "log", "--checkpoint-every", "10")  # exact recovery from the shard's log
 
 
 def train(out: Path, *flags: str) -> dict:
@@ -75,10 +76,7 @@ def test_a_stage_failure_agreed_in_the_dense_gather_runs_the_step_again_bit_for_
     from its log, and the stage and the compute run again: the digest of no failure."""
     s = train(
         tmp_path,
-        "--recovery",
-        "log",
-        "--checkpoint-every",
-        "10",
+        *LOG,
         "--held-rows-mb",
         "0.3",
         "--inject",
@@ -148,10 +146,7 @@ def test_a_stalled_shard_is_detected_within_the_timeout_and_recovered(tmp_path, 
 def test_a_corrupted_checkpoint_is_never_loaded(tmp_path, baseline):
     s = train(
         tmp_path,
-        "--recovery",
-        "log",
-        "--checkpoint-every",
-        "10",
+        *LOG,
         "--keep-checkpoints",
         "3",
         "--inject",
