@@ -399,6 +399,7 @@ class Trainer:
                 break
             # some trainer's stage failed: nothing of the step is kept; the shards are recovered, then
             # the stage (its commit point its own) and the compute run again
+            clock.lap("compute")
             self.backend.reset_chunks()
             out = self.recovery.points.commit_agreed(step, "stage", failed)
             if not out.rolled_back:
