@@ -158,9 +158,11 @@ class Detector:
         self.flags[:] = 0
         return flags
 
-    def sync(self) -> list[int]:
-        """Failed shards seen by any trainer since the last commit point (a collective)."""
-        return [int(s) for s in np.flatnonzero(self.collective.max_flags(self.take()))]
+    def sync(self, flags: np.ndarray | None = None) -> list[int]:
+        """Failed shards seen by any trainer since the last commit point (a collective); ``flags``:
+        this trainer's, taken already (``take``)."""
+        flags = self.take() if flags is None else flags
+        return [int(s) for s in np.flatnonzero(self.collective.max_flags(flags))]
 
     def forget(self, shard: int) -> None:
         """The shard is back: its next failure is timed from scratch."""
@@ -183,14 +185,12 @@ class CommitPoints:
         """All trainers agree on the failed shards; if any, they are recovered. A write-behind in
         flight is joined first when anything failed: its failed shards are recovered with the
         others, and its part on them is redone before the phase's."""
-        if self.detector.flags.any():
-            self.writer.on_failure_seen()
-        return self.commit_agreed(step, phase, self.detector.sync())
+        return self.commit_agreed(step, phase, self.detector.sync(self.take_flags()))
 
     def take_flags(self) -> np.ndarray:
-        """A commit point whose agreement rides in another collective (``stage_ahead``): what this
-        trainer saw fail, taken as ``commit`` takes it (its write-behind joined first where anything
-        failed), for the trainers to agree on (``commit_agreed``)."""
+        """What this trainer saw fail since the last commit point, for the trainers to agree on (its
+        write-behind joined first where anything failed): in the commit point's own collective
+        (``commit``), or in another one (``stage_ahead``, then ``commit_agreed``)."""
         if self.detector.flags.any():
             self.writer.on_failure_seen()
         return self.detector.take()
