@@ -72,10 +72,13 @@ class RowWiseAdagrad:
         dim = grads.shape[1]
         weights, state = rows[:, :dim], rows[:, dim : dim + 1]
         grads, clr = _adagrad_terms(self, weights, grads, t)
-        state = state + grads.pow(2).mean(dim=1).view(-1, 1)  # [n, 1] running sum of mean g^2
+        # each result straight into its columns of the new rows: the same bits as a cat of the two,
+        # in half the time (no second pass over the rows)
+        out = torch.empty((rows.shape[0], dim + 1), dtype=rows.dtype)
+        state = torch.add(state, grads.pow(2).mean(dim=1).view(-1, 1), out=out[:, dim:])  # running sum of mean g^2
         std = state.sqrt().add_(self.eps)
-        weights = weights.addcdiv(grads, std, value=-clr)
-        return torch.cat([weights, state], dim=1)
+        torch.addcdiv(weights, grads, std, value=-clr, out=out[:, :dim])
+        return out
 
 
 def _check_adagrad(opt, name: str) -> None:
@@ -125,10 +128,11 @@ class Adagrad:
         dim = grads.shape[1]
         weights, state = rows[:, :dim], rows[:, dim : 2 * dim]
         grads, clr = _adagrad_terms(self, weights, grads, t)
-        state = state.addcmul(grads, grads, value=1.0)
+        out = torch.empty((rows.shape[0], 2 * dim), dtype=rows.dtype)  # as RowWiseAdagrad's: no cat
+        state = torch.addcmul(state, grads, grads, value=1.0, out=out[:, dim:])
         std = state.sqrt().add_(self.eps)
-        weights = weights.addcdiv(grads, std, value=-clr)
-        return torch.cat([weights, state], dim=1)
+        torch.addcdiv(weights, grads, std, value=-clr, out=out[:, :dim])
+        return out
 
 
 @dataclass(frozen=True)

@@ -244,13 +244,14 @@ class HeldRows(RowSlots):
             put_rows(self.rows, s, rows[have] if len(have) < len(keys) else rows)
             if step is None:
                 self.first[s], self.last[s] = -1, NEVER
+                self.state[s] = HELD
             else:
                 state = self.state[s]
                 fresh = state != HELD  # mostly none on a step's path: one mask, no index arrays
                 if fresh.any():  # a first write: absent at any earlier step; unknown: may have existed
                     self.first[s[fresh]] = np.where(state[fresh] == ABSENT, step, -1)
+                    self.state[s] = HELD
                 self.last[s] = step
-            self.state[s] = HELD
             if not self._direct:
                 self._touched[s] = self.epoch
             if pin:
