@@ -24,6 +24,9 @@ from data.criteo import SPARSE_NAMES, BinaryCriteo
 from data.errors import DataError
 from data.hashing import hash_uniform
 
+READ_AHEAD = 2  # batches read (and their keys worked out) ahead of the step: a batch the read-ahead thread
+# was late with (its core lent to the servers) is made up over two steps, not waited for (one trainer
+# 1.07x against one batch ahead: 6 alternating rounds, docs/benchmarks.md)
 READ_AHEAD_NICE = 10
 """The read-ahead thread runs this much nicer than the training thread beside it while its work (the
 next batch, its unique row keys) is done before the step that needs it: at the same priority it took
@@ -212,7 +215,8 @@ class BatchReader:
         # ``pool``: a read-ahead thread shared with other readers of the same source (its owner closes it)
         self._owns_pool = pool is None
         self._pool = pool if pool is not None else ReadAheadPool() if read_ahead else None
-        self._ahead: tuple[int, Future] | None = None  # (position, its batch or None past the end)
+        # batches read ahead, oldest first: (position, its batch or None past the end)
+        self._ahead: list[tuple[int, Future]] = []
         self.prepare = prepare
 
     @property
@@ -238,16 +242,42 @@ class BatchReader:
         return make_batch(arr.dense, arr.sparse, arr.labels, bags=arr.bags)
 
     def _take_ahead(self, position: int) -> Batch | None | bool:
-        """The read-ahead batch if it is for ``position`` (False if not); waits for it either way."""
-        if self._ahead is None:
+        """The oldest batch read ahead if it is for ``position`` (False if not: every batch read ahead
+        is dropped, after the reads in flight); waits for it either way."""
+        if not self._ahead:
             return False
-        at, fut = self._ahead
-        self._ahead = None
+        at, fut = self._ahead.pop(0)
         t0 = time.perf_counter()
         batch = fut.result()  # a read error surfaces here, in the caller's thread
         if position >= 0 and isinstance(self._pool, ReadAheadPool):
             self._pool.waited(time.perf_counter() - t0)
-        return batch if at == position else False
+        if at == position:
+            return batch
+        self._drop_ahead()
+        return False
+
+    def _drop_ahead(self) -> None:
+        """Forget every batch read ahead: those not begun are cancelled, the one in flight waited out
+        (one read at a time)."""
+        ahead, self._ahead = self._ahead, []
+        for _, fut in ahead:
+            if not fut.cancel():
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - a stale read's error: its batch is read again if wanted
+                    pass
+
+    def _top_up(self) -> None:
+        """Keep ``READ_AHEAD`` batches read ahead of ``position``, in order."""
+        if self._pool is None:
+            return
+        g = self.global_batch_size
+        while len(self._ahead) < READ_AHEAD:
+            at = self.position + g * len(self._ahead)
+            if self._ahead and self._ahead[-1][0] != at - g:  # not in order: start again from here
+                self._drop_ahead()
+                continue
+            self._ahead.append((at, self._pool.submit(self._read_prepared, at)))
 
     def __next__(self) -> Batch:
         batch = self._take_ahead(self.position)
@@ -256,16 +286,15 @@ class BatchReader:
         if batch is None:
             raise StopIteration
         self.position += self.global_batch_size
-        if self._pool is not None:
-            self._ahead = (self.position, self._pool.submit(self._read_prepared, self.position))
+        self._top_up()
         return batch
 
     def read_ahead(self) -> None:
         """Start reading the batch at the current position now, on the read-ahead thread (a
         ``load_state_dict`` set it: a resumed trainer's first batch is read while it resumes);
         ``next`` takes it."""
-        if self._pool is not None and self._ahead is None:
-            self._ahead = (self.position, self._pool.submit(self._read_prepared, self.position))
+        if self._pool is not None and not self._ahead:
+            self._ahead.append((self.position, self._pool.submit(self._read_prepared, self.position)))
 
     def _read_prepared(self, position: int) -> Batch | None:
         batch = self._read(position)
@@ -286,18 +315,18 @@ class BatchReader:
                 f"this reader uses {self.global_batch_size}"
             )
         self.position = int(state["position"])
-        if self._ahead is not None and self._ahead[0] != self.position:
-            self._take_ahead(-1)  # wait out the stale read (one read at a time), then drop it
+        if self._ahead and self._ahead[0][0] != self.position:
+            self._drop_ahead()  # the stale reads waited out (one read at a time), then dropped
 
     def close(self) -> None:
         """Stop the read-ahead thread (after its read in flight)."""
         if self._pool is not None:
             if self._owns_pool:
                 self._pool.shutdown(wait=True, cancel_futures=True)
-            elif self._ahead is not None:
-                self._take_ahead(-1)
+            else:
+                self._drop_ahead()
             self._pool = None
-            self._ahead = None
+            self._ahead = []
 
 
 class ChunkReader:
