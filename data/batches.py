@@ -24,9 +24,10 @@ from data.criteo import SPARSE_NAMES, BinaryCriteo
 from data.errors import DataError
 from data.hashing import hash_uniform
 
-READ_AHEAD = 2  # batches read (and their keys worked out) ahead of the step: a batch the read-ahead thread
-# was late with (its core lent to the servers) is made up over two steps, not waited for (one trainer
-# 1.07x against one batch ahead: 6 alternating rounds, docs/benchmarks.md)
+READ_AHEAD = 2  # batches a lone reader (one trainer, one chunk) reads, with their keys, ahead of the step:
+# a batch the read-ahead thread was late with (its core lent to the servers) is made up over two steps,
+# not waited for (1.07x against one batch ahead, 6 alternating rounds). A reader of one of several
+# trainers' slices reads one ahead: at 2 trainers two read 1.05, 0.78, 0.91 of one (docs/benchmarks.md)
 READ_AHEAD_NICE = 10
 """The read-ahead thread runs this much nicer than the training thread beside it while its work (the
 next batch, its unique row keys) is done before the step that needs it: at the same priority it took
@@ -217,6 +218,7 @@ class BatchReader:
         self._pool = pool if pool is not None else ReadAheadPool() if read_ahead else None
         # batches read ahead, oldest first: (position, its batch or None past the end)
         self._ahead: list[tuple[int, Future]] = []
+        self._depth = READ_AHEAD if world_size == 1 else 1
         self.prepare = prepare
 
     @property
@@ -268,11 +270,11 @@ class BatchReader:
                     pass
 
     def _top_up(self) -> None:
-        """Keep ``READ_AHEAD`` batches read ahead of ``position``, in order."""
+        """Keep ``READ_AHEAD`` batches (one reader of several: one) read ahead of ``position``, in order."""
         if self._pool is None:
             return
         g = self.global_batch_size
-        while len(self._ahead) < READ_AHEAD:
+        while len(self._ahead) < self._depth:
             at = self.position + g * len(self._ahead)
             if self._ahead and self._ahead[-1][0] != at - g:  # not in order: start again from here
                 self._drop_ahead()

@@ -166,7 +166,12 @@ def test_read_ahead_yields_the_same_batches_and_follows_a_rewind(tmp_path):
     plain = list(BatchReader(make(), 32, epochs=2))
     ahead = BatchReader(make(), 32, epochs=2, read_ahead=True)
     got = [next(ahead) for _ in range(3)]
-    assert ahead.state_dict()["position"] == 3 * 32  # counts batches handed out, not the one read ahead
+    assert ahead.state_dict()["position"] == 3 * 32  # counts batches handed out, not those read ahead
+    assert [at for at, _ in ahead._ahead] == [3 * 32, 4 * 32]  # a lone reader: two batches ahead, in order
+    sliced = BatchReader(make(), 32, world_size=2, rank=1, read_ahead=True)  # one trainer's slice of several
+    first = next(sliced)
+    assert [at for at, _ in sliced._ahead] == [32] and len(first.labels) == 16
+    sliced.close()
     ahead.load_state_dict({"position": 32, "global_batch_size": 32})  # a rollback: the read-ahead batch is dropped
     got += list(ahead)
     ahead.close()
