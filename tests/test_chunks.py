@@ -90,7 +90,7 @@ def test_a_read_ahead_that_steps_wait_for_runs_at_the_trainers_priority_from_the
     import os
     import time
 
-    from data.batches import LATE_STEPS, READ_AHEAD_NICE, BatchReader
+    from data.batches import LATE_STEPS, READ_AHEAD, READ_AHEAD_NICE, BatchReader
     from data.synthetic import SyntheticConfig, SyntheticSource
 
     nices: list[int] = []
@@ -108,10 +108,12 @@ def test_a_read_ahead_that_steps_wait_for_runs_at_the_trainers_priority_from_the
         reader.close()
     base = os.getpriority(os.PRIO_PROCESS, 0)
     # the first batch is read by the step itself; the next LATE_STEPS on the nicer thread, which the
-    # steps waited for; the rest on a thread at the trainer's priority (the last read ahead may be
-    # dropped by the close before it starts)
-    assert nices[:LATE_STEPS] == [min(19, base + READ_AHEAD_NICE)] * LATE_STEPS, nices
-    assert nices[LATE_STEPS:] == [base] * (len(nices) - LATE_STEPS) and len(nices) >= LATE_STEPS + 3, nices
+    # steps waited for, and the reads queued behind them then (a lone reader keeps READ_AHEAD batches
+    # ahead: the nicer thread ends after them); the rest on a thread at the trainer's priority (the
+    # last read ahead may be dropped by the close before it starts)
+    nicer = LATE_STEPS + READ_AHEAD - 1
+    assert nices[:nicer] == [min(19, base + READ_AHEAD_NICE)] * nicer, nices
+    assert nices[nicer:] == [base] * (len(nices) - nicer) and len(nices) >= nicer + 3, nices
 
 
 def test_ddp_allreduce_is_the_same_model_within_float_error_not_bit_for_bit(tmp_path):
