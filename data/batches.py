@@ -185,10 +185,11 @@ class BatchReader:
     saved state in a fresh reader and reading m. A finite source ends after its last full batch
     (``epochs`` > 1 wraps around).
 
-    ``read_ahead``: one background thread reads the batch after the one just handed out while the
-    caller trains on it (numpy's generators and hashing release the GIL). Only one read runs at a
-    time, so a source is never read from two threads at once; the position counts only the
-    batches handed out, and a ``load_state_dict`` to another position drops the read-ahead batch.
+    ``read_ahead``: one background thread reads the batches after the one just handed out while the
+    caller trains on it (numpy's generators and hashing release the GIL): ``READ_AHEAD`` of them for a
+    reader of the whole batch (``world_size`` 1), one for a slice. Only one read runs at a time, so a
+    source is never read from two threads at once; the position counts only the batches handed out,
+    and a ``load_state_dict`` to a position other than the oldest read ahead drops them all.
     ``prepare(batch)``: called on the read-ahead thread after each read (work on the batch that need
     not wait for the step, e.g. its unique row keys); an error in it is ignored there, so that the
     step that needs the work does it again and raises in its own thread.
@@ -244,30 +245,30 @@ class BatchReader:
         return make_batch(arr.dense, arr.sparse, arr.labels, bags=arr.bags)
 
     def _take_ahead(self, position: int) -> Batch | None | bool:
-        """The oldest batch read ahead if it is for ``position`` (False if not: every batch read ahead
-        is dropped, after the reads in flight); waits for it either way."""
+        """The oldest batch read ahead, waited for, if it is for ``position``; else False, every batch
+        read ahead dropped (the read in flight waited out)."""
         if not self._ahead:
             return False
-        at, fut = self._ahead.pop(0)
+        if self._ahead[0][0] != position:  # a stale read's error is not this step's
+            self._drop_ahead()
+            return False
+        _, fut = self._ahead.pop(0)
         t0 = time.perf_counter()
         batch = fut.result()  # a read error surfaces here, in the caller's thread
-        if position >= 0 and isinstance(self._pool, ReadAheadPool):
+        if isinstance(self._pool, ReadAheadPool):
             self._pool.waited(time.perf_counter() - t0)
-        if at == position:
-            return batch
-        self._drop_ahead()
-        return False
+        return batch
 
     def _drop_ahead(self) -> None:
         """Forget every batch read ahead: those not begun are cancelled, the one in flight waited out
         (one read at a time)."""
         ahead, self._ahead = self._ahead, []
-        for _, fut in ahead:
-            if not fut.cancel():
-                try:
-                    fut.result()
-                except Exception:  # noqa: BLE001 - a stale read's error: its batch is read again if wanted
-                    pass
+        running = [fut for _, fut in reversed(ahead) if not fut.cancel()]  # the newest first: none starts
+        for fut in running:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 - a stale read's error: its batch is read again if wanted
+                pass
 
     def _top_up(self) -> None:
         """Keep ``READ_AHEAD`` batches (one reader of several: one) read ahead of ``position``, in order."""

@@ -168,6 +168,8 @@ def test_read_ahead_yields_the_same_batches_and_follows_a_rewind(tmp_path):
     got = [next(ahead) for _ in range(3)]
     assert ahead.state_dict()["position"] == 3 * 32  # counts batches handed out, not those read ahead
     assert [at for at, _ in ahead._ahead] == [3 * 32, 4 * 32]  # a lone reader: two batches ahead, in order
+    ahead.load_state_dict({"position": 3 * 32, "global_batch_size": 32})  # where it stands: nothing dropped
+    assert [at for at, _ in ahead._ahead] == [3 * 32, 4 * 32]
     sliced = BatchReader(make(), 32, world_size=2, rank=1, read_ahead=True)  # one trainer's slice of several
     first = next(sliced)
     assert [at for at, _ in sliced._ahead] == [32] and len(first.labels) == 16

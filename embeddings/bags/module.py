@@ -51,7 +51,9 @@ from embeddings.bags.table_state import RowsTensor, TableLocation, location_entr
 from embeddings.errors import RowRangeError
 from embeddings.store.base import EmbeddingStore
 
-_CACHED = 4  # batch contexts kept: the step's, the next batch's, the read-ahead one's, one spare
+_CACHED = (
+    5  # batch contexts kept: the step's, the next batch's, the two read ahead (``data.batches.READ_AHEAD``), one spare
+)
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 KERNELS = ("fbgemm", "torch")  # the pooling's and its backward's: fbgemm's TBE (``embeddings.bags.kernels``) or torch's
 _UNAPPLIED_WARN = 8  # forwards whose row gradients were computed and never applied: warn once
@@ -302,7 +304,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def batch_keys(self, features: KeyedJaggedTensor) -> BatchKeys:
         """The batch's unique row keys and lookups, computed once per batch: by the data reader's
         read-ahead thread (``prepare``) or by the first of stage, prefetch and forward to ask. The
-        newest few are kept: the batch in training, the next one and the one being read ahead."""
+        newest few are kept: the batch in training, the next one and those being read ahead."""
         for f, ctx in self._cache:  # a list replaced whole, never changed in place: safe to scan
             if f is features:
                 return ctx
