@@ -47,7 +47,8 @@ engine's row says where it can no longer allocate its tables (needed beside avai
 project's loop under the preset (DCN-v2, multi-hot bags), ``--pairs`` alternating rounds.
 
 ``--dmp 1,2,3``: only the several-trainers table: for each W, the tier with W trainers (``--dmp-shards``
-shards, the run's defaults) against torchrec's ``DistributedModelParallel`` on W CPU ranks
+shards, the run's defaults; ``--dmp-write-every K``: its windows of K steps) against torchrec's
+``DistributedModelParallel`` on W CPU ranks
 (``recsys.bench.dmp``: gloo, table-wise on the fused kernel, one torch thread a rank), same model,
 data and global batch, ``--pairs`` alternating rounds; each round's ratio, the medians, the tier's
 ``step_ms`` parts, and a plot (``--dmp-plot``); with W = 1 each round also times torchrec's fused
@@ -383,7 +384,15 @@ def main() -> None:
             args.tmp = tmp
             runs = dmp_rounds(
                 args,
-                lambda w, i: config(args, Path(tmp) / f"dmp-tier-{w}-{i}", "redis", args.dmp_shards, False, w),
+                lambda w, i: config(
+                    args,
+                    Path(tmp) / f"dmp-tier-{w}-{i}",
+                    "redis",
+                    args.dmp_shards,
+                    False,
+                    w,
+                    write_every=args.dmp_write_every,
+                ),
                 run,
                 lambda: fused_samples_per_s(args),
             )
@@ -450,6 +459,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--bytes-batch", type=int, default=65536, help="--bytes: the larger global batch of the table")
     ap.add_argument("--dmp-shards", type=int, default=2, help="the tier's shards in the --dmp table")
+    ap.add_argument("--dmp-write-every", type=int, default=0, help="--dmp: the tier's --write-every (0: its own)")
     ap.add_argument("--dmp-plot", default="", help="--dmp: write the plot (samples/s against W) to this PNG")
     ap.add_argument("--sweep", default="", help="comma-separated rows per table for the table-size sweep")
     ap.add_argument("--sweep-dim", type=int, default=64, help="second embedding dim of the sweep")

@@ -279,7 +279,8 @@ def print_dmp(args, got: dict[int, dict]) -> None:
     median) and its plot (``--dmp-plot``)."""
     print(
         f"\nsteps={args.steps} global batch={args.batch_size} tables=26x{args.rows_per_table}x{args.embedding_dim} "
-        f"optimizer={args.optimizer} data={args.data} tier shards={args.dmp_shards}; DMP: 1 torch thread a rank, "
+        f"optimizer={args.optimizer} data={args.data} tier shards={args.dmp_shards}"
+        f"{f' --write-every {args.dmp_write_every}' if getattr(args, 'dmp_write_every', 0) else ''}; DMP: 1 torch thread a rank, "
         "table-wise on the fused kernel\n"
     )
     parts = ["quorum", "rows_in", "data", "compute", "rows_out", "waiting", "after"]
