@@ -175,3 +175,27 @@ def test_a_server_replaced_since_gets_a_new_baseline_and_its_policy_checked(redi
         admin.config_set("maxmemory-policy", "allkeys-random")
         with pytest.raises(EndpointError, match=r"maxmemory-policy allkeys-random evicts keys without a TTL"):
             store.check_evictions()
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        redis.exceptions.ClusterDownError("The cluster is down"),
+        redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
+        redis.exceptions.MovedError("3999 127.0.0.1:6381"),
+    ],
+)
+def test_a_cluster_node_not_serving_now_is_unavailable_not_bad_data(err):
+    """redis-py's typed replies of a cluster failing over (their message without the code) are a
+    shard unavailable for now, which recovery waits out, not a damaged shard that ends the run."""
+    from types import SimpleNamespace
+
+    from embeddings.errors import ShardUnavailableError
+    from embeddings.net.links import ShardLinks
+
+    def fail():
+        raise err
+
+    with pytest.raises(ShardUnavailableError) as got:
+        ShardLinks.mapped(SimpleNamespace(endpoints={2: "redis://127.0.0.1:7002"}), 2, fail)
+    assert got.value.shard == 2 and type(err).__name__ in str(got.value)

@@ -27,6 +27,9 @@ from embeddings.net.wire import RowConnection, WireError
 from embeddings.store.buckets import BucketLayout, fit_listpack
 
 T = TypeVar("T")
+# redis-py's replies of a node up but not serving a shard now (a cluster failing over, a slot moving), typed:
+# their message no longer starts with the code that the wire's errors are told apart by
+_NOT_SERVING = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.AskError)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class ShardLinks:
             raise ShardTimeoutError(shard, endpoint, f"no answer within {self.timeout_s}s ({e})") from None
         except redis.ConnectionError as e:
             raise ShardUnavailableError(shard, endpoint, str(e) or type(e).__name__) from None
+        except _NOT_SERVING as e:  # redis-py's: its message lost the code (CLUSTERDOWN, TRYAGAIN, MOVED, ASK)
+            raise ShardUnavailableError(shard, endpoint, f"{type(e).__name__}: {e}") from None
         except (redis.ResponseError, WireError) as e:
             msg = str(e)
             if "WRONGPASS" in msg or "NOAUTH" in msg or "NOPERM" in msg:
