@@ -275,11 +275,8 @@ class BatchReader:
         if self._pool is None:
             return
         g = self.global_batch_size
-        while len(self._ahead) < self._depth:
+        while len(self._ahead) < self._depth:  # in order: a rewind keeps them only from ``position`` on
             at = self.position + g * len(self._ahead)
-            if self._ahead and self._ahead[-1][0] != at - g:  # not in order: start again from here
-                self._drop_ahead()
-                continue
             self._ahead.append((at, self._pool.submit(self._read_prepared, at)))
 
     def __next__(self) -> Batch:
