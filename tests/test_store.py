@@ -290,7 +290,7 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
     got, sent = {}, 0
     for part in commands:
         reader = hiredis.Reader()
-        reader.feed(part)
+        reader.feed(bytes(part))
         while (cmd := reader.gets()) is not False:  # whole commands only
             assert cmd[0] == b"HSET" and len(cmd) % 2 == 0
             got.update({(cmd[1], f): v for f, v in zip(cmd[2::2], cmd[3::2])})
@@ -301,3 +301,46 @@ def test_row_writes_encode_every_table_as_one_command_per_table_would():
             want[conn.layout.location(prefix, i, 4 * rows.shape[1])] = r.astype("<f4").tobytes()
     assert got == want and len(got) == sum(len(ids) for _, ids, _ in groups)
     assert sent == sum(n for _, n in replies) < len(got)  # the dense run: one HSET per bucket
+
+
+def test_row_writes_per_bucket_keep_each_rows_last_value_and_name_an_error_among_their_replies(shards3):
+    """On a real server: rows out of bucket order, a row given twice in one group, and two groups
+    of one prefix (the later group's value stays) are written as per-bucket HSETs with the values
+    one HSET per row in order would leave; a reply that is an error, among thousands of integer
+    replies, is raised naming the server's text, and the connection is dropped."""
+    from embeddings.net.wire import RowConnection, WireError
+    from embeddings.store.buckets import BucketLayout
+
+    pool = redis.ConnectionPool.from_url(shards3.urls[0])
+    conn = RowConnection(pool, 5.0, BucketLayout())
+    admin = redis.Redis.from_url(shards3.urls[0])
+    rng = np.random.default_rng(11)
+    prefix, other = b"wtest:{0}:1:", b"wtest:{0}:22:"
+    ids = rng.integers(0, 5000, 4000)  # unsorted, repeats
+    rows = rng.standard_normal((4000, 5)).astype(np.float32)
+    again = rng.choice(ids, 300)  # a second group on the same prefix: its values are the last
+    again_rows = rng.standard_normal((300, 5)).astype(np.float32)
+    wide = np.sort(rng.choice(10**9, 3000, replace=False))  # sparse: a bucket a row
+    wide_rows = rng.standard_normal((3000, 9)).astype(np.float32)
+    try:
+        conn.set_rows([(prefix, ids, rows), (other, wide, wide_rows), (prefix, again, again_rows)])
+        want = {}
+        for g_prefix, g_ids, g_rows in ((prefix, ids, rows), (other, wide, wide_rows), (prefix, again, again_rows)):
+            for i, r in zip(g_ids.tolist(), g_rows):
+                want[conn.layout.location(g_prefix, i, 4 * g_rows.shape[1])] = r.tobytes()
+        got = {loc: admin.hget(*loc) for loc in want}
+        assert got == want
+        # a bucket key that holds a string: its HSET fails (WRONGTYPE) among the others
+        key, _ = conn.layout.location(prefix, int(ids[1234]), 20)
+        admin.delete(key)
+        admin.set(key, b"not a hash")
+        with pytest.raises(WireError, match="WRONGTYPE"):
+            conn.set_rows([(prefix, ids, rows)])
+        assert conn._conn is None  # dropped: the replies after the error are not read
+        conn.set_rows([(other, wide[:10], wide_rows[:10])])  # a new connection works
+        assert admin.hget(*conn.layout.location(other, int(wide[3]), 36)) == wide_rows[3].tobytes()
+    finally:
+        for k in admin.scan_iter(match="wtest:*"):
+            admin.delete(k)
+        conn.close()
+        pool.disconnect()

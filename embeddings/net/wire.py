@@ -31,7 +31,6 @@ import redis
 
 from embeddings.store.buckets import KEY_ID_BYTES, BucketLayout
 
-GROUP_MIN_ROWS = 4  # a write groups its rows per bucket where its buckets hold this many on average
 _NIL = b"$-1\r\n"
 
 
@@ -240,55 +239,68 @@ def walk_rows(body: bytes, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, missing
 
 
-def row_commands(layout: BucketLayout, groups) -> tuple[list[bytes], list]:
-    """The HSET commands of every group (key prefix, ids, rows) and the replies they get. Where a
-    group's rows fall on average ``GROUP_MIN_ROWS`` or more to a bucket, one ``HSET`` per bucket
-    (answered by the number of new fields); else one per row (``:0`` or ``:1``), the groups
-    whose prefixes have one length and whose rows one width encoded together into one array, so
-    that a write of many tables costs a few numpy calls rather than a few per table."""
-    parts: list[bytes] = []
+def row_commands(layout: BucketLayout, groups) -> tuple[list[memoryview], list]:
+    """The HSET commands of every group (key prefix, ids, rows) and the replies they get: one
+    ``HSET key field row field row ...`` per bucket, answered with its number of new fields. The
+    groups whose prefixes have one length and whose rows one width are encoded together, a few
+    numpy calls per distinct count of rows in a bucket, so that a write of many tables costs a few
+    numpy calls rather than a Python step per bucket or per table."""
+    parts: list[memoryview] = []
     replies: list = []
-    sparse = []
-    for i, (prefix, ids, rows) in enumerate(groups):
-        if not len(ids):
-            continue
-        width = 4 * rows.shape[1]
-        span = layout.span(width)
-        # a cheap look first (a training step's rows are sparse): rows per bucket over the ids' range
-        if len(ids) >= 8 * GROUP_MIN_ROWS and len(ids) * span >= GROUP_MIN_ROWS * (abs(int(ids[-1]) - int(ids[0])) + 1):
-            buckets = layout.buckets(ids, width)
-            order = None if not (buckets[1:] < buckets[:-1]).any() else np.argsort(buckets, kind="stable")
-            b = buckets if order is None else buckets[order]
-            starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-            if len(starts) * GROUP_MIN_ROWS <= len(ids):
-                ordered = (ids, rows) if order is None else (ids[order], rows[order])
-                parts += bucket_commands(layout, prefix, *ordered, b, starts, width)
-                replies.append(("ints", len(starts)))
-                continue
-        sparse.append(i)
-    for (_, width), idx in row_shapes([groups[i] for i in sparse], lambda g: 4 * g[2].shape[1]).items():
-        idx = [sparse[i] for i in idx]
-        raw = _raw_rows(groups[idx[0]][2]) if len(idx) == 1 else np.concatenate([_raw_rows(groups[i][2]) for i in idx])
-        n = len(raw)
-        keyed = keyed_records(layout, b"HSET", 4, groups, idx, width)
-        out = _records(n, keyed[:-1] + [b"\r\n$%d\r\n" % width, raw, b"\r\n"])
-        parts.append(out.tobytes())
-        replies.append(("flags", n))
+    for (_, width), idx in row_shapes(groups, lambda g: 4 * g[2].shape[1]).items():
+        # two groups with one prefix could name one row: each keeps its own commands, in order
+        sets = [idx] if len({groups[i][0] for i in idx}) == len(idx) else [[i] for i in idx]
+        for part in sets:
+            data, n = bucket_commands(layout, groups, part, width)
+            parts += data
+            replies.append(("ints", n))
     return parts, replies
 
 
-def bucket_commands(layout: BucketLayout, prefix, ids, rows, buckets, starts, width) -> list[bytes]:
-    """One ``HSET key field row field row ...`` per bucket (``starts``: each bucket's first row)."""
+def bucket_commands(layout: BucketLayout, groups, idx: list[int], width: int) -> tuple[list[memoryview], int]:
+    """One ``HSET key field row ...`` per bucket of the rows of groups ``idx`` (one prefix length,
+    distinct prefixes, rows of ``width`` bytes), a bucket's rows in their order in the group (a row
+    given twice: the later value stays, as in one command per row). -> (the commands, how many)."""
+    counts = [len(groups[i][1]) for i in idx]
+    ids = np.concatenate([np.asarray(groups[i][1], np.int64) for i in idx])
+    raw = np.concatenate([_raw_rows(groups[i][2]) for i in idx]) if len(idx) > 1 else _raw_rows(groups[idx[0]][2])
+    n = len(ids)
+    member = np.repeat(np.arange(len(idx)), counts)
+    buckets = layout.buckets(ids, width)
+    same = member[1:] == member[:-1]
+    if (same & (buckets[1:] < buckets[:-1])).any():  # a group's rows not in bucket order
+        order = np.lexsort((buckets, member))  # stable: a bucket's rows keep their order
+        ids, raw, member, buckets = ids[order], raw[order], member[order], buckets[order]
+        same = member[1:] == member[:-1]
+    starts = np.flatnonzero(np.r_[True, ~same | (buckets[1:] != buckets[:-1])])
+    sizes = np.diff(np.r_[starts, n])
+    tally = np.bincount(sizes)
+    counts_of = np.flatnonzero(tally).tolist()
+    if len(counts_of) > 1:  # the buckets in order of their row counts (stable), rows with them
+        by_size = np.argsort(sizes.astype(np.int16 if sizes.max() < 1 << 15 else np.int64), kind="stable")
+        rows_of = np.repeat(starts[by_size] - np.r_[0, np.cumsum(sizes[by_size])[:-1]], sizes[by_size])
+        perm = rows_of + np.arange(n)
+        ids, member, buckets = ids[perm], member[perm], buckets[perm]
+        raw = np.take(raw, perm, axis=0)  # whole rows (a fancy index copies them byte by byte)
+        starts = np.r_[0, np.cumsum(sizes[by_size])[:-1]]
+        sizes = sizes[by_size]
     fb = layout.field_bytes
-    fields = layout.fields(ids, width)
-    pairs = _records(len(ids), [b"$%d\r\n" % fb, fields, b"\r\n$%d\r\n" % width, _raw_rows(rows), b"\r\n"])
-    key_head = b"$%d\r\n%s" % (len(prefix) + KEY_ID_BYTES, prefix)
-    ends = np.r_[starts[1:], len(ids)]
-    out = []
-    for lo, hi, b in zip(starts.tolist(), ends.tolist(), buckets[starts].tolist()):
-        head = b"*%d\r\n$4\r\nHSET\r\n" % (2 + 2 * (hi - lo))
-        out.append(head + key_head + b.to_bytes(KEY_ID_BYTES, "big") + b"\r\n" + pairs[lo:hi].tobytes())
-    return out
+    pairs = _records(n, [b"$%d\r\n" % fb, layout.fields(ids, width), b"\r\n$%d\r\n" % width, raw, b"\r\n"])
+    plen = len(groups[idx[0]][0])
+    prefixes = np.frombuffer(b"".join(groups[i][0] for i in idx), f"V{plen}")
+    keys = np.ascontiguousarray(buckets[starts], dtype=">u8").view("V8").reshape(-1)
+    named = _records(len(starts), [prefixes[member[starts]], keys, b"\r\n"]).view(f"V{plen + KEY_ID_BYTES + 2}")
+    parts, at, row = [], 0, 0
+    for k in counts_of:  # the buckets holding k rows each (consecutive now): one array
+        m = int(tally[k])
+        head = b"*%d\r\n$4\r\nHSET\r\n$%d\r\n" % (2 + 2 * k, plen + KEY_ID_BYTES)
+        block = np.empty((m, len(head) + named.itemsize + k * pairs.shape[1]), np.uint8)
+        h = block.shape[1] - k * pairs.shape[1]
+        block[:, :h] = _records(m, [head, named[at : at + m, 0]])
+        block[:, h:] = pairs[row : row + m * k].reshape(m, -1)
+        parts.append(block)
+        at, row = at + m, row + m * k
+    return [memoryview(p.reshape(-1)) for p in parts], len(starts)
 
 
 class RowConnection:
@@ -542,17 +554,34 @@ class RowConnection:
                 self._expect(n)
             elif kind == "ok":
                 self._expect(b"+OK\r\n" * n)
-            elif kind == "flags":  # one HSET per row: :0 (overwritten) or :1 (new)
-                got = self._take(4 * n, reply=True)
-                a = np.frombuffer(got, np.uint8).reshape(n, 4)
-                ok = (a[:, 0] == 58) & ((a[:, 1] == 48) | (a[:, 1] == 49)) & (a[:, 2] == 13) & (a[:, 3] == 10)
-                if not ok.all():
-                    self._fail(got[4 * int(np.argmin(ok)) :])
             else:  # "ints": one HSET per bucket, answered with its number of new fields
-                for _ in range(n):
-                    line = self._line()
-                    if not line.startswith(b":"):
-                        self._fail(line + b"\r\n")
+                self._ints(n)
+
+    def _ints(self, n: int) -> None:
+        """Read ``n`` integer replies (``:<digits>\\r\\n``), checked with numpy; any other reply fails."""
+        if not n:
+            return
+        self._fill(4 * n, reply=True)  # ":0\\r\\n", the shortest
+        while (ends := np.flatnonzero(np.frombuffer(self._buf, np.uint8) == 10)).size < n:
+            self._fill(len(self._buf) + 4 * (n - ends.size), reply=True)
+        ends = ends[:n]
+        a = np.frombuffer(self._buf, np.uint8, int(ends[-1]) + 1)
+        begins = np.r_[0, ends[:-1] + 1]
+        digits = np.ones(len(a), bool)  # every byte between the colon and the CR a digit
+        digits[begins] = digits[ends - 1] = digits[ends] = False
+        ok = (ends - begins >= 3) & (a[begins] == 58) & (a[ends - 1] == 13)
+        if ok.all() and ((a[digits] >= 48) & (a[digits] <= 57)).all():
+            del a
+            del self._buf[: int(ends[-1]) + 1]
+            return
+        wrong = digits & ((a < 48) | (a > 57))
+        bad = int(np.argmin(ok)) if not ok.all() else int(np.searchsorted(ends, np.flatnonzero(wrong)[0]))
+        line = bytes(a[begins[bad] : ends[bad] + 1]).rstrip(b"\r\n")
+        del a
+        self.close()
+        if line.startswith(b"-"):
+            raise _error(line[1:].decode(errors="replace"))
+        raise WireError(f"unexpected reply to a row write: {line[:80]!r}")
 
 
 # -- RESTORE of serialized values (embeddings.snapshots.restore_load) --------------------------------
