@@ -293,6 +293,7 @@ _FLAG_OF = {f"{section}.{field}": flag for flag, (section, field, _, _) in FLAGS
     "embeddings.replica_wait": "--replica-wait",
     "train.save_model": "--save-model",
     "train.keep_model": "--no-keep-model",
+    "train.pin_trainers": "--no-pin-trainers",
     "train.tensorboard": "--tensorboard",
     "recovery.priority_half": "--priority-half",
     "recovery.train_through": "--train-through",
@@ -437,6 +438,12 @@ def add_switches(tr: argparse.ArgumentParser) -> None:
     )
     tr.add_argument("--save-model", action="store_true", help="write final_model.pt (small tables only)")
     tr.add_argument(
+        "--no-pin-trainers",
+        action="store_true",
+        help="leave the trainers' cores to the scheduler (default with 2+ trainers started here: trainer I of W "
+        "on the I-th W-th of the cores)",
+    )
+    tr.add_argument(
         "--no-keep-model",
         action="store_true",
         help="do not write the trained model into OUT/final at the end (by default every tier run does: each "
@@ -514,6 +521,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         sections["train"]["save_model"] = True
     if args.no_keep_model:
         sections["train"]["keep_model"] = False
+    if args.no_pin_trainers:
+        sections["train"]["pin_trainers"] = False
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
     if args.replica_wait:

@@ -1,5 +1,6 @@
 """Step timing: where a training step's time goes, how the training thread spent it, and each
-trainer's speed (the trainers found slow, and the chunks that follow speed: ``plan_chunks``)."""
+trainer's speed (the trainers found slow, and the chunks that follow speed: ``plan_chunks``); the
+cores each trainer runs on (``pin_trainer``)."""
 
 from __future__ import annotations
 
@@ -293,3 +294,53 @@ class ChunkBalance:
         reader = build()
         reader.load_state_dict(state)
         return reader, next(reader)
+
+
+# -- cores of their own for the trainers one launcher starts on one host (--no-pin-trainers: off) --
+#
+# On the benchmark's 2-core host, 2 trainers left to the scheduler share their cores with 2 local
+# Redis servers and the trainers' helper threads: the scheduler often ran both training threads on
+# one core while the other sat idle in a wait, and one trainer then waited about 10 ms a step in the
+# step's collectives for the other (``docs/benchmarks.md``). Trainer ``i`` of ``W`` gets cores
+# ``i*k .. i*k + k - 1`` of the ``n`` this process may use (``k = n // W``; none with one trainer or
+# more trainers than cores): its training thread and its own helper threads stay there, while the
+# servers, the Lighthouse and the launcher go where there is room.
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def trainer_cores(index: int, trainers: int, cores: list[int] | None = None) -> list[int] | None:
+    """The cores of trainer ``index`` of ``trainers``; None where the trainers do not each get one
+    (one trainer, more trainers than cores, an index out of range): the scheduler places them."""
+    cores = usable_cores() if cores is None else cores
+    k = len(cores) // trainers if trainers > 0 else 0
+    if trainers < 2 or k < 1 or not 0 <= index < trainers:
+        return None
+    return cores[index * k : (index + 1) * k]
+
+
+def pin_process(cores: list[int]) -> int:
+    """Every thread of this process (and so every thread one of them starts later) on ``cores``.
+    -> threads pinned (a thread that ended meanwhile is skipped)."""
+    pinned = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+            pinned += 1
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return pinned
+
+
+def pin_trainer(index: int, trainers: int, enabled: bool = True) -> list[int] | None:
+    """Trainer ``index``'s process onto its cores (``trainer_cores``). -> the cores, or None (left
+    to the scheduler: ``enabled`` off, or no cores of its own)."""
+    cores = trainer_cores(index, trainers) if enabled and hasattr(os, "sched_setaffinity") else None
+    if cores is not None:
+        pin_process(cores)
+    return cores

@@ -305,6 +305,9 @@ class TrainConfig:
     """torch intra-op threads per trainer; 0: the host's cores left after the local Redis servers
     (``--redis local``), split over the trainers, at least 1. Cores the servers need are not given to
     torch: its idle threads spin, and a shard that waits for a core stalls every step."""
+    pin_trainers: bool = True
+    """2+ trainers this launcher starts each get cores of their own: trainer ``i`` of ``W`` the ``i``-th ``n // W``
+    of the ``n`` cores (``recsys.clock.pin_trainer``; none where ``W > n``; not under torchrun or --trainer-index)."""
 
     chunks: int = 0
     """The global batch in this many fixed chunks (0: one per trainer), each trained on its own and reduced over

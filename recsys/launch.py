@@ -39,6 +39,7 @@ from embeddings.net.endpoints import check_endpoints, commands_needed
 from embeddings.servers.launcher import ShardSpec, free_port
 from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
+from recsys.clock import pin_trainer
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare, sources
 from recsys.errors import TrainerFailed, default_signals, first_cause, read_errors, report_error
@@ -398,6 +399,8 @@ def worker_main(
     cfg = RunConfig.from_dict(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("RECSYS_SUPERVISED"):  # this launcher's trainers, not torchrun's: cores of their own
+        pin_trainer(rank, world_size, cfg.train.pin_trainers)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     try:
         if world_size > 1:

@@ -9,6 +9,7 @@ import torch
 
 from embeddings.shard_map import ShardMap
 from embeddings.tables import TableSet, TableSpec
+from recsys.clock import trainer_cores, usable_cores
 from recsys.config import ConfigError, RunConfig, TrainConfig
 from recsys.group import TrainerGroup
 from tests.conftest import train_cli
@@ -34,6 +35,9 @@ def test_three_trainers_one_trainer_of_three_chunks_and_two_trainers_of_three_en
     assert len(set(digests.values())) == 1, digests
     assert len({s["final_auc"] for s in runs.values()}) == 1
     assert [s["trainers"] for s in runs.values()] == [3, 1, 2]
+    # trainer 0's cores: its own share where the trainers each get one (--pin-trainers, the default)
+    for name, w in (("three", 3), ("one", 1), ("two", 2)):
+        assert runs[name]["trainer_cores"] == (trainer_cores(0, w) or usable_cores()), name
     # rank 0's collectives: the update's agreement and the dense gather (which carries the stage's
     # agreement and the rows' counts) every step, the rows' gather where they did not fit, the
     # checkpoints' and the run's end (12 steps: 4 a step at least); none with one trainer
@@ -289,3 +293,15 @@ def test_auto_scatters_the_rows_from_scatter_from_trainers_and_owners_share_the_
         for w in (2, 3, 8, 64):
             share = np.bincount(owners_of(keys, w), minlength=w) / len(keys)
             assert share.max() < 1.2 / w and share.min() > 0.8 / w, (w, share)
+
+
+def test_trainers_get_disjoint_shares_of_the_cores_or_none():
+    """Trainer i of W: the i-th W-th of the cores, none shared; none with one trainer or with more
+    trainers than cores (the scheduler places them), nor for an index out of range."""
+    assert trainer_cores(0, 2, [0, 1]) == [0] and trainer_cores(1, 2, [0, 1]) == [1]
+    eight = list(range(8))
+    shares = [trainer_cores(i, 3, eight) for i in range(3)]
+    assert shares == [[0, 1], [2, 3], [4, 5]]  # 8 // 3 = 2 each; the last two cores are the servers'
+    assert trainer_cores(0, 1, eight) is None  # one trainer: every core
+    assert trainer_cores(0, 3, [0, 1]) is None  # more trainers than cores
+    assert trainer_cores(2, 2, [0, 1]) is None and trainer_cores(-1, 2, [0, 1]) is None

@@ -555,33 +555,34 @@ class RowConnection:
             elif kind == "ok":
                 self._expect(b"+OK\r\n" * n)
             else:  # "ints": one HSET per bucket, answered with its number of new fields
-                self._ints(n)
+                _read_ints(self, n)
 
-    def _ints(self, n: int) -> None:
-        """Read ``n`` integer replies (``:<digits>\\r\\n``), checked with numpy; any other reply fails."""
-        if not n:
-            return
-        self._fill(4 * n, reply=True)  # ":0\\r\\n", the shortest
-        while (ends := np.flatnonzero(np.frombuffer(self._buf, np.uint8) == 10)).size < n:
-            self._fill(len(self._buf) + 4 * (n - ends.size), reply=True)
-        ends = ends[:n]
-        a = np.frombuffer(self._buf, np.uint8, int(ends[-1]) + 1)
-        begins = np.r_[0, ends[:-1] + 1]
-        digits = np.ones(len(a), bool)  # every byte between the colon and the CR a digit
-        digits[begins] = digits[ends - 1] = digits[ends] = False
-        ok = (ends - begins >= 3) & (a[begins] == 58) & (a[ends - 1] == 13)
-        if ok.all() and ((a[digits] >= 48) & (a[digits] <= 57)).all():
-            del a
-            del self._buf[: int(ends[-1]) + 1]
-            return
-        wrong = digits & ((a < 48) | (a > 57))
-        bad = int(np.argmin(ok)) if not ok.all() else int(np.searchsorted(ends, np.flatnonzero(wrong)[0]))
-        line = bytes(a[begins[bad] : ends[bad] + 1]).rstrip(b"\r\n")
+
+def _read_ints(conn: RowConnection, n: int) -> None:
+    """Read ``n`` integer replies from ``conn`` (``:<digits>\\r\\n``), checked with numpy; any other reply fails."""
+    if not n:
+        return
+    conn._fill(4 * n, reply=True)  # ":0\\r\\n", the shortest
+    while (ends := np.flatnonzero(np.frombuffer(conn._buf, np.uint8) == 10)).size < n:
+        conn._fill(len(conn._buf) + 4 * (n - ends.size), reply=True)
+    ends = ends[:n]
+    a = np.frombuffer(conn._buf, np.uint8, int(ends[-1]) + 1)
+    begins = np.r_[0, ends[:-1] + 1]
+    digits = np.ones(len(a), bool)  # every byte between the colon and the CR a digit
+    digits[begins] = digits[ends - 1] = digits[ends] = False
+    ok = (ends - begins >= 3) & (a[begins] == 58) & (a[ends - 1] == 13)
+    if ok.all() and ((a[digits] >= 48) & (a[digits] <= 57)).all():
         del a
-        self.close()
-        if line.startswith(b"-"):
-            raise _error(line[1:].decode(errors="replace"))
-        raise WireError(f"unexpected reply to a row write: {line[:80]!r}")
+        del conn._buf[: int(ends[-1]) + 1]
+        return
+    wrong = digits & ((a < 48) | (a > 57))
+    bad = int(np.argmin(ok)) if not ok.all() else int(np.searchsorted(ends, np.flatnonzero(wrong)[0]))
+    line = bytes(a[begins[bad] : ends[bad] + 1]).rstrip(b"\r\n")
+    del a
+    conn.close()
+    if line.startswith(b"-"):
+        raise _error(line[1:].decode(errors="replace"))
+    raise WireError(f"unexpected reply to a row write: {line[:80]!r}")
 
 
 # -- RESTORE of serialized values (embeddings.snapshots.restore_load) --------------------------------

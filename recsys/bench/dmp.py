@@ -36,9 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dmp_samples_per_s(cfg, world_size: int, steps: int, threads: int = 1) -> dict:
+def dmp_samples_per_s(cfg, world_size: int, steps: int, threads: int = 1, pin: bool = False) -> dict:
     """torchrec DMP on ``world_size`` spawned CPU ranks under ``cfg``'s model, tables, data, dense
     optimizer and global batch (``cfg.train.batch_size``), ``steps`` timed steps after the warm-up.
+    ``pin``: each rank on cores of its own, as the tier's trainers are (``recsys.clock``).
     -> samples/s (global) and the mean step in ms (rank 0's)."""
     import torch.multiprocessing as mp
 
@@ -49,7 +50,7 @@ def dmp_samples_per_s(cfg, world_size: int, steps: int, threads: int = 1) -> dic
         port = free_port()
         mp.start_processes(
             _rank_main,
-            args=(world_size, port, cfg.to_dict(), steps, threads, str(out)),
+            args=(world_size, port, cfg.to_dict(), steps, threads, str(out), pin),
             nprocs=world_size,
             join=True,
             start_method="spawn",
@@ -57,7 +58,9 @@ def dmp_samples_per_s(cfg, world_size: int, steps: int, threads: int = 1) -> dic
         return json.loads(out.read_text())
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int, threads: int, out: str) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, cfg_dict: dict, steps: int, threads: int, out: str, pin: bool = False
+) -> None:
     import logging
     import warnings
 
@@ -71,6 +74,7 @@ def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from data.batches import BatchReader
+    from recsys.clock import pin_trainer
     from recsys.config import RunConfig
     from recsys.datasets import sources
     from recsys.model import build_dlrm, dense_optimizer, table_configs
@@ -78,6 +82,7 @@ def _rank_main(rank: int, world_size: int, port: int, cfg_dict: dict, steps: int
     for name in ("torch.fx._symbolic_trace", "torchrec.distributed.planner"):  # warnings about the planner's
         logging.getLogger(name).setLevel(logging.ERROR)  # dry run and topology, not about this run
     warnings.filterwarnings("ignore")
+    pin_trainer(rank, world_size, pin)  # as the tier's trainers are (``--no-pin-trainers``: neither)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -203,7 +208,7 @@ def dmp_rounds(args, make_cfg, run_tier, fused=None) -> dict[int, dict]:
                 if kind == "fused":
                     got["fused"].append(fused())
                 elif kind == "dmp":
-                    d = dmp_samples_per_s(cfg, w, args.steps)
+                    d = dmp_samples_per_s(cfg, w, args.steps, pin=cfg.train.pin_trainers)  # pinned as the tier
                     got["dmp"].append(d["samples_per_s"])
                     got["dmp_ms"].append(d["step_ms"])
                     got["cpu"]["dmp"].append(d.get("cpu_ms"))

@@ -341,11 +341,13 @@ def replica_main(
     the run folder's ``errors/`` (the launcher prints the line). ``results``: a queue for rank 0's
     summary."""
     from embeddings.servers.launcher import ShardSpec
+    from recsys.clock import pin_trainer
     from recsys.config import RunConfig
     from recsys.errors import default_signals, report_error
 
     default_signals()
     cfg = RunConfig.from_dict(cfg_dict)
+    pin_trainer(index, cfg.train.trainers, cfg.train.pin_trainers)  # this supervisor's trainers: cores of their own
     try:
         summary = train_replica(cfg, urls, namespace, [ShardSpec(**s) for s in specs], index, lighthouse)
         if summary is not None:

@@ -34,6 +34,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "train.save_model",
         "train.keep_model",
         "train.threads",
+        "train.pin_trainers",
         "train.balance_every",
         "train.row_exchange",
         "train.tensorboard",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recovery.accounting import pls
-from recsys.clock import Collectives
+from recsys.clock import Collectives, usable_cores
 
 
 def peak_rss_mb() -> float:
@@ -149,6 +149,7 @@ def run_summary(
         "embeddings": cfg.embeddings.embeddings,
         "trainers": world_size,
         "torch_threads": torch_threads,
+        "trainer_cores": usable_cores(),  # trainer 0's: its own share with 2+ trainers (--no-pin-trainers: all)
         "shards": num_shards,
         "recovery": cfg.recovery.recovery,
         "log_fsync": cfg.recovery.log_fsync if cfg.log_dir else None,
