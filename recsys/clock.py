@@ -337,10 +337,13 @@ def pin_process(cores: list[int]) -> int:
     return pinned
 
 
-def pin_trainer(index: int, trainers: int, enabled: bool = True) -> list[int] | None:
+def pin_trainer(index: int, trainers: int, enabled: bool = True, threads: int = 0) -> list[int] | None:
     """Trainer ``index``'s process onto its cores (``trainer_cores``). -> the cores, or None (left
-    to the scheduler: ``enabled`` off, or no cores of its own)."""
+    to the scheduler: ``enabled`` off, no cores of its own, or ``threads``, torch threads asked for
+    with ``--threads``, more than its cores: they would spin on one another)."""
     cores = trainer_cores(index, trainers) if enabled and hasattr(os, "sched_setaffinity") else None
+    if cores is not None and threads > len(cores):
+        cores = None
     if cores is not None:
         pin_process(cores)
     return cores

@@ -400,7 +400,7 @@ def worker_main(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get("RECSYS_SUPERVISED"):  # this launcher's trainers, not torchrun's: cores of their own
-        pin_trainer(rank, world_size, cfg.train.pin_trainers)
+        pin_trainer(rank, world_size, cfg.train.pin_trainers, cfg.train.threads)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     try:
         if world_size > 1:

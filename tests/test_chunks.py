@@ -3,13 +3,15 @@
 in chunk order. Real trainers over gloo and real redis-servers; the chunk-order reduction itself
 also in one process."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from embeddings.shard_map import ShardMap
 from embeddings.tables import TableSet, TableSpec
-from recsys.clock import trainer_cores, usable_cores
+from recsys.clock import pin_trainer, trainer_cores, usable_cores
 from recsys.config import ConfigError, RunConfig, TrainConfig
 from recsys.group import TrainerGroup
 from tests.conftest import train_cli
@@ -305,3 +307,10 @@ def test_trainers_get_disjoint_shares_of_the_cores_or_none():
     assert trainer_cores(0, 1, eight) is None  # one trainer: every core
     assert trainer_cores(0, 3, [0, 1]) is None  # more trainers than cores
     assert trainer_cores(2, 2, [0, 1]) is None and trainer_cores(-1, 2, [0, 1]) is None
+    # --threads asking more torch threads than a trainer's cores: not pinned (they would spin on one core)
+    before = os.sched_getaffinity(0)
+    try:
+        assert pin_trainer(0, len(before), threads=2) is None  # a share of one core each
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)

@@ -347,7 +347,9 @@ def replica_main(
 
     default_signals()
     cfg = RunConfig.from_dict(cfg_dict)
-    pin_trainer(index, cfg.train.trainers, cfg.train.pin_trainers)  # this supervisor's trainers: cores of their own
+    pin_trainer(
+        index, cfg.train.trainers, cfg.train.pin_trainers, cfg.train.threads
+    )  # this supervisor's trainers: cores of their own
     try:
         summary = train_replica(cfg, urls, namespace, [ShardSpec(**s) for s in specs], index, lighthouse)
         if summary is not None:
