@@ -307,11 +307,20 @@ class ChunkBalance:
 # servers, the Lighthouse and the launcher go where there is room.
 
 
+_HOST_CORES: list[int] = []  # the cores this process could use before ``pin_trainer`` took its share
+
+
 def usable_cores() -> list[int]:
     """The cores this process may run on, in order."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def host_cores() -> list[int]:
+    """The cores the trainers of this host share (the torch threads' split, ``Trainer``): those this
+    process could use before it was pinned to its own."""
+    return list(_HOST_CORES) or usable_cores()
 
 
 def trainer_cores(index: int, trainers: int, cores: list[int] | None = None) -> list[int] | None:
@@ -332,7 +341,7 @@ def pin_process(cores: list[int]) -> int:
         try:
             os.sched_setaffinity(int(tid), cores)
             pinned += 1
-        except (ProcessLookupError, FileNotFoundError):
+        except OSError:  # a thread that ended, or cores the host no longer lets it have: left as it was
             pass
     return pinned
 
@@ -345,5 +354,8 @@ def pin_trainer(index: int, trainers: int, enabled: bool = True, threads: int = 
     if cores is not None and threads > len(cores):
         cores = None
     if cores is not None:
-        pin_process(cores)
+        before = host_cores()
+        if not pin_process(cores):
+            return None
+        _HOST_CORES[:] = before
     return cores

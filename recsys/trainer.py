@@ -40,7 +40,7 @@ from recovery.factory import build_recovery
 from recovery.protocol import CONTINUE, Outcome
 from recovery.window import closes_window
 from recsys.backends import Backend, LocalBackend, StoreBackend
-from recsys.clock import WARMUP_STEPS, ChunkBalance, StepClock, TrainerSpeeds
+from recsys.clock import WARMUP_STEPS, ChunkBalance, StepClock, TrainerSpeeds, host_cores
 from recsys.config import RunConfig
 from recsys.datasets import sources
 from recsys.errors import reserve_space
@@ -104,7 +104,7 @@ def torch_threads(cfg: RunConfig, world_size: int) -> int:
     """``--threads``, or the host's cores left after its local Redis servers, split over the trainers."""
     if cfg.train.threads:
         return cfg.train.threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(host_cores())  # the host's, not this trainer's share where it is pinned to one
     e = cfg.embeddings
     servers = 0
     if e.embeddings == "redis" and e.redis == "local":

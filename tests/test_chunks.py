@@ -307,6 +307,18 @@ def test_trainers_get_disjoint_shares_of_the_cores_or_none():
     assert trainer_cores(0, 1, eight) is None  # one trainer: every core
     assert trainer_cores(0, 3, [0, 1]) is None  # more trainers than cores
     assert trainer_cores(2, 2, [0, 1]) is None and trainer_cores(-1, 2, [0, 1]) is None
+    # the torch threads' split counts the host's cores, not a pinned trainer's share of them
+    from recsys import clock
+    from recsys.config import EmbeddingConfig
+    from recsys.trainer import torch_threads
+
+    saved = list(clock._HOST_CORES)
+    try:
+        clock._HOST_CORES[:] = range(16)  # as pin_trainer leaves it on a 16-core host
+        cfg = RunConfig(embeddings=EmbeddingConfig(redis="local", shards=2), train=TrainConfig(trainers=2))
+        assert torch_threads(cfg, 2) == 7  # (16 cores - 2 local servers) // 2 trainers, not (8 - 2) // 2
+    finally:
+        clock._HOST_CORES[:] = saved
     # --threads asking more torch threads than a trainer's cores: not pinned (they would spin on one core)
     before = os.sched_getaffinity(0)
     try:

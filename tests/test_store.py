@@ -344,3 +344,42 @@ def test_row_writes_per_bucket_keep_each_rows_last_value_and_name_an_error_among
             admin.delete(k)
         conn.close()
         pool.disconnect()
+
+
+def test_integer_replies_read_in_pieces_cut_mid_reply_are_read_without_waiting_for_more():
+    """The replies of a per-bucket write arriving in pieces, one cut inside a reply longer than 4
+    bytes (``:10\\r\\n``): every reply is read as soon as its last byte comes, never waiting out the
+    deadline for bytes the server will not send (a real socket pair; the server side sends by hand)."""
+    import socket
+    import threading
+    import types
+
+    from embeddings.net.wire import RowConnection, _read_ints
+
+    ours, theirs = socket.socketpair()
+    conn = RowConnection(None, 5.0)  # type: ignore[arg-type]
+    conn._conn = types.SimpleNamespace(_sock=ours, disconnect=ours.close)  # type: ignore[assignment]
+
+    first_read = threading.Event()
+
+    def send() -> None:  # the second write's replies only once the first's are read: nothing more comes
+        for piece in (b":10\r\n:0\r", b"\n", None, b":112\r\n:3", b"\r\n:1\r\n"):
+            if piece is None:
+                first_read.wait(10)
+                continue
+            theirs.sendall(piece)
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        t0 = time.monotonic()
+        conn._run(lambda: _read_ints(conn, 2))
+        first_read.set()
+        conn._run(lambda: _read_ints(conn, 3))
+        assert time.monotonic() - t0 < 2.0  # not the 5 s deadline
+        assert bytes(conn._buf) == b""
+    finally:
+        sender.join()
+        ours.close()
+        theirs.close()

@@ -10,9 +10,8 @@ into rows with one reshape instead of one Python object per row.
   ``PING <token>`` whose echo marks where its replies end. All present (the usual case): one
   reshape; some never written (``$-1``): located with numpy, a Python walk only if the bytes are
   ambiguous.
-- Writes: one ``HSET key field row`` per row, answered ``:0`` or ``:1`` (4 bytes each, checked with
-  numpy); where a write holds on average 4 rows or more per bucket (a restore, a log replay), one
-  ``HSET key f1 r1 f2 r2 ...`` per bucket instead.
+- Writes: one ``HSET key f1 r1 f2 r2 ...`` per bucket, the buckets of one row count encoded as one
+  array, answered by the number of new fields (integers checked with numpy).
 
 The connection itself (TCP or TLS, AUTH with password or ACL user, SELECT) is set up by
 redis-py; this module then speaks on its socket directly, with a deadline on every call.
@@ -564,7 +563,10 @@ def _read_ints(conn: RowConnection, n: int) -> None:
         return
     conn._fill(4 * n, reply=True)  # ":0\\r\\n", the shortest
     while (ends := np.flatnonzero(np.frombuffer(conn._buf, np.uint8) == 10)).size < n:
-        conn._fill(len(conn._buf) + 4 * (n - ends.size), reply=True)
+        # the replies not read in full, each 4 bytes at least, from the end of the last whole one; and
+        # one byte more than held (a reply cut part way is longer than 4 bytes): never more than is sent
+        done = int(ends[-1]) + 1 if ends.size else 0
+        conn._fill(max(len(conn._buf) + 1, done + 4 * (n - ends.size)), reply=True)
     ends = ends[:n]
     a = np.frombuffer(conn._buf, np.uint8, int(ends[-1]) + 1)
     begins = np.r_[0, ends[:-1] + 1]
