@@ -418,7 +418,7 @@ class RecoveryConfig:
     """With replace: seconds a collective waits for a live trainer (a killed one: about 0.5 s)."""
     quorum_every: int = 4
     """With replace: a torchft quorum at every K-th step's start (a replacement waits up to K - 1
-    steps more; a death is met at the next collective); ``should_commit`` decides every step."""
+    steps more; a death is met at the next collective); a commit decision every step."""
 
     train_through: bool = False
     """A failed shard is restored in the background while every trainer keeps stepping (partial, partial-mfu,

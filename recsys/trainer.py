@@ -421,7 +421,7 @@ class Trainer:
             self.group.barrier()  # every shard's writer is done before anyone reads the next step's rows
         clock.lap("waiting")
         if self.epoch is not None:
-            if not self.epoch.replica.commit():
+            if not self.epoch.replica.commit(step % self.cfg.recovery.quorum_every == 0):
                 raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
             clock.lap("quorum")
         return out, nxt, loss

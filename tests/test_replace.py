@@ -267,3 +267,30 @@ def test_trainers_that_disagree_on_quorum_every_stop_at_their_first_quorum_in_on
         agree(Quorum2(theirs.sent), cfg(4), 1, (0, 1), q, True, False)
     with pytest.raises(RuntimeError, match=r"quorum 7 disagree on --row-exchange \(here the rows are scattered\)"):
         agree(Quorum2(theirs.sent, scatters=True), cfg(8), 1, (0, 1), q, True, False)
+
+
+def test_the_steps_between_quorums_commit_as_torchfts_should_commit_would_for_one_trainer():
+    """A quorum step asks torchft's ``should_commit``; a step between decides the same thing in the
+    trainer: committed only where the process group and the manager hold no error and the quorum
+    has a member (a replica group of one trainer: what ``should_commit`` returns)."""
+    from types import SimpleNamespace
+
+    from recsys.quorum.replica import Replica
+
+    calls = []
+    state = {"pg": None, "manager": None, "members": 2, "torchft": True}
+    replica = object.__new__(Replica)  # its decision alone: no manager started
+    replica.pg = SimpleNamespace(errored=lambda: state["pg"])
+    replica.manager = SimpleNamespace(
+        errored=lambda: state["manager"],
+        num_participants=lambda: state["members"],
+        should_commit=lambda: calls.append("should_commit") or state["torchft"],
+    )
+    assert replica.commit(quorum_step=False) is True and calls == []  # no round trip between quorums
+    state["torchft"] = False
+    assert replica.commit(quorum_step=True) is False and calls == ["should_commit"]
+    for key, bad in (("pg", RuntimeError("gloo")), ("manager", RuntimeError("quorum")), ("members", 0)):
+        saved, state[key] = state[key], bad
+        assert replica.commit(quorum_step=False) is False, key
+        state[key] = saved
+    assert replica.commit(quorum_step=False) is True and calls == ["should_commit"]
