@@ -46,7 +46,7 @@ from recsys.datasets import sources
 from recsys.errors import reserve_space
 from recsys.group import TrainerGroup, flat_grads, run_group
 from recsys.model import dense_optimizer, dense_params
-from recsys.quorum.epoch import Epoch, dense_crc, meet_quorum, same_everywhere
+from recsys.quorum.epoch import Epoch, dense_crc, meet_quorum, quorum_step, same_everywhere
 from recsys.quorum.replica import PeerLost
 from recsys.results.final_model import digest, final_keeper, keep_model, save_model_file
 from recsys.results.metrics import evaluate_scores
@@ -421,7 +421,7 @@ class Trainer:
             self.group.barrier()  # every shard's writer is done before anyone reads the next step's rows
         clock.lap("waiting")
         if self.epoch is not None:
-            if not self.epoch.replica.commit(step % self.cfg.recovery.quorum_every == 0):
+            if not self.epoch.replica.commit(quorum_step(self, step)):
                 raise PeerLost(f"step {step} was not committed by the quorum (torchft's should_commit)")
             clock.lap("quorum")
         return out, nxt, loss

@@ -51,9 +51,8 @@ from embeddings.bags.table_state import RowsTensor, TableLocation, location_entr
 from embeddings.errors import RowRangeError
 from embeddings.store.base import EmbeddingStore
 
-_CACHED = (
-    5  # batch contexts kept: the step's, the next batch's, the two read ahead (``data.batches.READ_AHEAD``), one spare
-)
+# batch contexts kept: the step's, the next batch's, the two read ahead (``data.batches.READ_AHEAD``), one spare
+_CACHED = 5
 _MODES = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 KERNELS = ("fbgemm", "torch")  # the pooling's and its backward's: fbgemm's TBE (``embeddings.bags.kernels``) or torch's
 _UNAPPLIED_WARN = 8  # forwards whose row gradients were computed and never applied: warn once

@@ -266,10 +266,11 @@ def bucket_commands(layout: BucketLayout, groups, idx: list[int], width: int) ->
     n = len(ids)
     member = np.repeat(np.arange(len(idx)), counts)
     buckets = layout.buckets(ids, width)
+    perm = None  # the rows' order in the commands, where not their order here: applied once, at the end
     same = member[1:] == member[:-1]
     if (same & (buckets[1:] < buckets[:-1])).any():  # a group's rows not in bucket order
-        order = np.lexsort((buckets, member))  # stable: a bucket's rows keep their order
-        ids, raw, member, buckets = ids[order], raw[order], member[order], buckets[order]
+        perm = np.lexsort((buckets, member))  # stable: a bucket's rows keep their order
+        member, buckets = member[perm], buckets[perm]
         same = member[1:] == member[:-1]
     starts = np.flatnonzero(np.r_[True, ~same | (buckets[1:] != buckets[:-1])])
     sizes = np.diff(np.r_[starts, n])
@@ -277,12 +278,14 @@ def bucket_commands(layout: BucketLayout, groups, idx: list[int], width: int) ->
     counts_of = np.flatnonzero(tally).tolist()
     if len(counts_of) > 1:  # the buckets in order of their row counts (stable), rows with them
         by_size = np.argsort(sizes.astype(np.int16 if sizes.max() < 1 << 15 else np.int64), kind="stable")
-        rows_of = np.repeat(starts[by_size] - np.r_[0, np.cumsum(sizes[by_size])[:-1]], sizes[by_size])
-        perm = rows_of + np.arange(n)
-        ids, member, buckets = ids[perm], member[perm], buckets[perm]
-        raw = np.take(raw, perm, axis=0)  # whole rows (a fancy index copies them byte by byte)
-        starts = np.r_[0, np.cumsum(sizes[by_size])[:-1]]
         sizes = sizes[by_size]
+        moved = np.r_[0, np.cumsum(sizes)[:-1]]  # each bucket's first row, in the new order
+        by_row = np.repeat(starts[by_size] - moved, sizes) + np.arange(n)
+        member, buckets, starts = member[by_row], buckets[by_row], moved
+        perm = by_row if perm is None else perm[by_row]
+    if perm is not None:
+        ids = ids[perm]
+        raw = np.take(raw, perm, axis=0)  # whole rows (a fancy index copies them byte by byte)
     fb = layout.field_bytes
     pairs = _records(n, [b"$%d\r\n" % fb, layout.fields(ids, width), b"\r\n$%d\r\n" % width, raw, b"\r\n"])
     plen = len(groups[idx[0]][0])

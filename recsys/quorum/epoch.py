@@ -68,12 +68,18 @@ def same_everywhere(group: TrainerGroup, value: int) -> bool:
     return int(v[0]) == -int(v[1])
 
 
+def quorum_step(trainer, step: int) -> bool:
+    """``--quorum-every K``: a quorum at every K-th step's start (the same steps for every member);
+    its commit decision is torchft's ``should_commit`` (``Replica.commit``)."""
+    return step % trainer.cfg.recovery.quorum_every == 0
+
+
 def meet_quorum(trainer, step: int) -> None:
     """The quorum of ``step`` (at its start, every ``--quorum-every`` steps); a changed one ends the
     trainer (``Regroup``, with the state it holds as of ``step - 1``: a peer that joins heals from it
     meanwhile)."""
-    if step % trainer.cfg.recovery.quorum_every:
-        return  # ``--quorum-every K``: a quorum at every K-th step (the same steps for every member)
+    if not quorum_step(trainer, step):
+        return
     replica = trainer.epoch.replica
     replica.offer = lambda: state_bytes(trainer, step - 1)
     q = replica.quorum(step - 1)
