@@ -9,8 +9,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from embeddings import SGD, RedisStore, RowWiseAdagrad, TableSet, UnknownTableError
+from embeddings import SGD, RedisStore, RowWiseAdagrad, TableSet, UnknownTableError, rowkeys
 from embeddings.bags.module import StoreEmbeddingBagCollection
+from embeddings.errors import RowRangeError
 
 CONFIGS = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"]),
@@ -108,6 +109,45 @@ def test_dlrm_accepts_module_and_trains(shards3, namespace):
     assert ebc.batch_keys(kjt) is ctx  # the batch's keys were worked out once, for every forward
     store.clear()
     store.close()
+
+
+@pytest.mark.parametrize("batch", [1, 7, 512, 1024])
+def test_a_batchs_keys_match_a_plain_unique_on_either_path_and_an_id_out_of_range_is_named(shards3, namespace, batch):
+    """One id a bag, each feature on a table of its own (the features sorted apart) and two features
+    on one table (``torch.unique`` over them all): the same sorted keys and positions as numpy's
+    unique of the packed keys; an id out of its table's range is refused by name on both."""
+    rng = np.random.default_rng(batch)
+    apart = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate([100, 37, 5000])
+    ]
+    for configs in (apart, CONFIGS):
+        store = RedisStore(shards3.urls, TableSet.from_torchrec(configs), SGD(), namespace=namespace)
+        ebc = StoreEmbeddingBagCollection(configs, store)
+        feats = [(f, t, c.num_embeddings) for t, c in enumerate(configs) for f in c.feature_names]
+        ids = [np.minimum(rng.zipf(1.3, batch) - 1, n - 1).astype(np.int64) for _, _, n in feats]
+
+        def kjt(values, feats=feats):
+            return KeyedJaggedTensor.from_lengths_sync(
+                keys=[f for f, _, _ in feats],
+                values=torch.from_numpy(np.concatenate(values)),
+                lengths=torch.ones(len(feats) * batch, dtype=torch.int32),
+            )
+
+        ctx = ebc.batch_keys(kjt(ids))
+        keys, inverse = np.unique(
+            np.concatenate([rowkeys.pack(t, v) for (_, t, _), v in zip(feats, ids)]), return_inverse=True
+        )
+        assert ebc._by_feature == (configs is apart)
+        assert np.array_equal(ctx.keys, keys) and np.array_equal(ctx.inverse.numpy(), inverse.ravel()) and ctx.single
+        for bad in (-1, feats[-1][2]):
+            wrong = [v.copy() for v in ids]
+            wrong[-1][batch // 2] = bad
+            with pytest.raises(
+                RowRangeError, match=rf"feature '{feats[-1][0]}'\): row id {bad} out of range \[0, {feats[-1][2]}\)"
+            ):
+                ebc.batch_keys(kjt(wrong))
+        store.close()
 
 
 def test_module_rejects_mismatched_configs(shards3, namespace):
