@@ -374,7 +374,9 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             got = self._checked_unique(values, lengths)
         uniq, inverse = got
         offsets = offsets.to(torch.int64)
-        single = len(values) == num_bags and bool(torch.all(offsets[1:] - offsets[:-1] == 1))
+        # no bag empty with one value a bag over all: each holds one (numpy: no op that lets go of the GIL)
+        starts = offsets.numpy()
+        single = len(values) == num_bags and bool((starts[1:] != starts[:-1]).all())
         ctx = BatchKeys(uniq.numpy(), inverse, offsets, batch, single, weights)
         ctx.bags = [batch] * len(names) if bags is None else list(bags)
         spread = features.inverse_indices_or_none()

@@ -165,7 +165,11 @@ class RowWrites:
         ``pin``: an open window's, not on their shards until it is written (``HeldRows.unpin``)."""
         held = self.cache.held
         if held is not None:
-            mine = np.isin(shards, list(held.shards)) if len(held.shards) < len(self.links.clients) else None
+            mine = None
+            if len(held.shards) < len(self.links.clients):  # by a table of the shards: no search a row
+                own = np.zeros(len(self.links.clients), bool)
+                own[list(held.shards)] = True
+                mine = own[shards]
             if mine is not None and not mine.all():
                 held.put_keys(keys[mine], rows[mine], step, pin)
             else:  # every row of a held shard (one writer of them all, or this trainer's rows): no copy
