@@ -369,9 +369,9 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = values.to(torch.int64)
         got = None
         if self._by_feature and not vbe and all(n == batch for n in lengths):
-            got = self._sorted_keys(values, batch)
+            got = sorted_keys(values, batch, self._bases, self._limits, self._id_bits)
         if got is None:
-            got = self._checked_unique(values, lengths)
+            got = checked_unique(values, lengths, self)
         uniq, inverse = got
         offsets = offsets.to(torch.int64)
         # no bag empty with one value a bag over all: each holds one (numpy: no op that lets go of the GIL)
@@ -389,46 +389,6 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if not self._on_host:
             self._move(ctx)
         return ctx
-
-    def _checked_unique(self, values: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every id in its table's range (else ``RowRangeError`` naming the first out of it), ->
-        (the sorted unique packed keys, each value's position among them)."""
-        counts = torch.tensor(lengths, dtype=torch.int64)
-        limit = torch.repeat_interleave(self._limits, counts)
-        bad = (values < 0) | (values >= limit)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            f = int(torch.searchsorted(counts.cumsum(0), torch.tensor(i), right=True))
-            name, t, n = self._features[f]
-            raise RowRangeError(
-                f"table {self._table_names[t]!r} (feature {name!r}): row id {int(values[i])} out of range [0, {n})"
-            )
-        base = torch.repeat_interleave(self._bases, counts)
-        return torch.unique(values + base, return_inverse=True)
-
-    def _sorted_keys(self, values: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``_checked_unique`` where every feature has ``batch`` ids, each on a table of its own in
-        ascending order: the ids of each feature sorted apart, each with its position in the low bits
-        of one int64 (one small sort a feature, no index array sorted beside the keys: half of
-        ``torch.unique``'s time at batch 512 and 1024). A feature's keys are all below the next
-        one's, so the features' runs joined are sorted. The same keys and positions. None: an id out
-        of range, or ids too wide for the bits (the general path answers)."""
-        bits = max(batch - 1, 1).bit_length()
-        if not batch or self._id_bits + bits > 62:
-            return None
-        ids = values.numpy().reshape(-1, batch)
-        packed = np.sort((ids << bits) | np.arange(batch, dtype=np.int64), axis=1)
-        low, high = packed[:, 0] >> bits, packed[:, -1] >> bits  # each feature's least and largest id
-        if bool((low < 0).any() or (high >= self._limits.numpy()).any()):
-            return None
-        keys = ((packed >> bits) + self._bases.numpy()[:, None]).reshape(-1)
-        first = np.empty(len(keys), bool)
-        first[:1] = True
-        np.not_equal(keys[1:], keys[:-1], out=first[1:])
-        inverse = np.empty(len(keys), np.int64)
-        at = (packed & ((1 << bits) - 1)) + np.arange(0, len(keys), batch, dtype=np.int64)[:, None]
-        inverse[at.reshape(-1)] = np.cumsum(first) - 1
-        return torch.from_numpy(keys[first]), torch.from_numpy(inverse)
 
     def _group_keys(self, ctx: BatchKeys, lengths: list[int]) -> list[GroupKeys]:
         """The general path's per-dim work of a batch: each dim's keys and, per pooling call, the
@@ -690,3 +650,49 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._pending = []
         super().zero_grad(set_to_none)
+
+
+def checked_unique(values: torch.Tensor, lengths: list[int], module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every id of ``module``'s features (``lengths`` values each, in its feature order) in its
+    table's range (else ``RowRangeError`` naming the first out of it), -> (the sorted unique packed
+    keys, each value's position among them)."""
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    limit = torch.repeat_interleave(module._limits, counts)
+    bad = (values < 0) | (values >= limit)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        f = int(torch.searchsorted(counts.cumsum(0), torch.tensor(i), right=True))
+        name, t, n = module._features[f]
+        raise RowRangeError(
+            f"table {module._table_names[t]!r} (feature {name!r}): row id {int(values[i])} out of range [0, {n})"
+        )
+    base = torch.repeat_interleave(module._bases, counts)
+    return torch.unique(values + base, return_inverse=True)
+
+
+def sorted_keys(
+    values: torch.Tensor, batch: int, bases: torch.Tensor, limits: torch.Tensor, id_bits: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``checked_unique`` where every feature has ``batch`` ids, each on a table of its own in
+    ascending order (``bases``, ``limits``: each feature's table's first packed key and rows;
+    ``id_bits``: the bits the largest id takes): the ids of each feature sorted apart, each with its
+    position in the low bits of one int64 (one small sort a feature, no index array sorted beside the
+    keys: half of ``torch.unique``'s time at batch 512 and 1024). A feature's keys are all below the
+    next one's, so the features' runs joined are sorted. The same keys and positions. None: an id out
+    of range, or ids too wide for the bits (the general path answers)."""
+    bits = max(batch - 1, 1).bit_length()
+    if not batch or id_bits + bits > 62:
+        return None
+    ids = values.numpy().reshape(-1, batch)
+    packed = np.sort((ids << bits) | np.arange(batch, dtype=np.int64), axis=1)
+    low, high = packed[:, 0] >> bits, packed[:, -1] >> bits  # each feature's least and largest id
+    if bool((low < 0).any() or (high >= limits.numpy()).any()):
+        return None
+    keys = ((packed >> bits) + bases.numpy()[:, None]).reshape(-1)
+    first = np.empty(len(keys), bool)
+    first[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    inverse = np.empty(len(keys), np.int64)
+    at = (packed & ((1 << bits) - 1)) + np.arange(0, len(keys), batch, dtype=np.int64)[:, None]
+    inverse[at.reshape(-1)] = np.cumsum(first) - 1
+    return torch.from_numpy(keys[first]), torch.from_numpy(inverse)

@@ -193,7 +193,7 @@ class RowSlots:
             with other.lock:
                 if not bool(np.all(other.key[at] == keys[theirs])) or bool((other.state[at] == UNKNOWN).any()):
                     return None
-                rows[theirs] = np.take(other.rows, at, axis=0)
+                put_rows(rows, theirs, np.take(other.rows, at, axis=0))
                 other.hits += len(theirs)
                 other.lookups += len(theirs)
         return rows
