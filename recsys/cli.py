@@ -20,7 +20,7 @@ from embeddings.errors import EmbeddingStoreError
 from embeddings.servers.launcher import LauncherError
 from recovery.durable import layout
 from recovery.errors import RecoveryError
-from recsys.config import PRESETS, ConfigError, RunConfig
+from recsys.config import AUTO_WINDOW, PRESETS, ConfigError, RunConfig
 from recsys.errors import TrainerFailed, one_line, report_error
 from recsys.results.rundir import RESUME_MAY_CHANGE
 
@@ -106,8 +106,8 @@ FLAGS: dict[str, tuple[str, str, type, str]] = {
         "embeddings",
         "write_every",
         int,
-        "one trainer with write-behind: rows reach the shards once per window of N steps (1: every step; "
-        "default 0: 16 with one trainer writing behind and no --train-through, else 1)",
+        "with write-behind: rows reach the shards once per window of N steps (1: every step; "
+        f"default 0: {AUTO_WINDOW} where the trainers write behind and no --train-through, else 1)",
     ),
     "--server-nice": (
         "embeddings",

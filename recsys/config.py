@@ -18,7 +18,7 @@ from embeddings.net.cluster import seed_urls
 from recovery.durable import layout
 
 NUM_TABLES = 26  # Criteo's categorical features, one table each
-AUTO_WINDOW = 16  # steps per write-behind window by default, where windows apply (RunConfig.window_steps)
+AUTO_WINDOW = 32  # steps per write-behind window by default, where windows apply (RunConfig.window_steps)
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ Same model, data and steps for every row. The reference of the ratios is torchre
 plain loop over pre-built batches: the strongest peer. Then ``--embeddings local`` (the same fused
 engine inside the project's training loop, data read each step), and the Redis tier with each shard
 count of ``--shards`` and each trainer count of ``--trainers`` (held rows on, the run's defaults:
-trainer restarts on, and with one trainer rows written once per window of 16 steps; the goal
+trainer restarts on, rows written once per window of 32 steps; the goal
 configuration, 1 trainer and 2 shards, also with ``--max-restarts 0``: no per-step dense state, what
 the fused engine never writes; and with the bench's ``--write-every K``, default 1: each row written
 to its shard after every step that updates it; several trainers on 2 shards also under

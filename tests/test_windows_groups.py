@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from recsys.config import AUTO_WINDOW
 from recsys.results.verify import verify
 from tests.conftest import train_cli
 
@@ -24,12 +25,12 @@ def baseline(tmp_path_factory) -> dict:
 
 
 def test_two_trainers_write_in_windows_on_the_bits_of_one_trainer_and_of_every_step(tmp_path, baseline):
-    assert baseline["write_every"] == 16
+    assert baseline["write_every"] == AUTO_WINDOW
     peers = baseline["peer_rows"]
     assert peers["capacity_rows"] >= peers["table_rows"] and peers["evicted"] == 0
     every_step = train(tmp_path / "k1", "--write-every", "1")
     one = train(tmp_path / "one", "--trainers", "1", "--chunks", "2")
-    assert every_step["write_every"] == 1 and one["write_every"] == 16
+    assert every_step["write_every"] == 1 and one["write_every"] == AUTO_WINDOW
     assert baseline["embedding_digest"] == every_step["embedding_digest"] == one["embedding_digest"]
 
 
@@ -84,7 +85,7 @@ def test_three_trainers_on_two_shards_survive_a_death_and_the_quorums_after_it_b
     three = ["--trainers", "3", "--shards", "2", "--batch-size", "255", "--row-exchange", "scatter"]
     ref = train(tmp_path / "ref", *three)
     s = train(tmp_path / "run", *three, "--max-restarts", "2", "--inject", "trainer:2@step=22")
-    assert ref["write_every"] == s["write_every"] == 16
+    assert ref["write_every"] == s["write_every"] == AUTO_WINDOW
     assert [f["kind"] for f in s["failures"]] == ["trainer"] and s["failures"][0]["lost_updates"] == 0
     assert s["embedding_digest"] == ref["embedding_digest"]
     code, line = verify(tmp_path / "run")
