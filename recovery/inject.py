@@ -205,9 +205,12 @@ class Injector:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def start(self, fresh: bool, barrier=lambda: None) -> None:
-        """Fresh run: rank 0 sets the time origin; then every trainer loads it and arms its timers."""
-        if fresh and self.rank == 0:
-            write_atomic(self.path, json.dumps({"t0": time.time()}) + "\n")
+        """Fresh run: rank 0 sets the time origin (and the run's id: a group restarted from scratch is
+        the same run, what fired stays fired); then every trainer loads it and arms its timers."""
+        run_id = layout.run_id(self.run_dir)  # None: a run without one (a fresh origin each time)
+        same = run_id is not None and any(r.get("run_id") == run_id for r in read_lines(self.path))
+        if fresh and self.rank == 0 and not same:
+            write_atomic(self.path, json.dumps({"t0": time.time(), "run_id": run_id}) + "\n")
         barrier()
         self._load()
         for inj in self.injections:
@@ -257,17 +260,14 @@ class Injector:
         return hits[-1] if hits else None
 
     def fired_at(self, shard: int) -> float | None:
-        rec = self._latest_on(shard)
-        return rec["time"] if rec is not None else None
+        return (self._latest_on(shard) or {}).get("time")
 
     def fired_step(self, shard: int) -> int | None:
         """The step at which the latest injection on ``shard`` fired, if any."""
-        rec = self._latest_on(shard)
-        return rec.get("step") if rec is not None else None
+        return (self._latest_on(shard) or {}).get("step")
 
     def kind_of(self, shard: int) -> str:
-        rec = self._latest_on(shard)
-        return rec["kind"] if rec is not None else "shard"
+        return (self._latest_on(shard) or {}).get("kind", "shard")
 
     # -- firing -------------------------------------------------------------------------------
     def at_step(self, step: int, latest_checkpoint_file=None, settle=None) -> None:

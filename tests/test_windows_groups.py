@@ -67,7 +67,8 @@ def test_a_shard_killed_before_a_save_is_met_when_the_save_closes_the_window_bit
 @pytest.mark.parametrize("mode", ["replace", "restart"])
 def test_a_trainer_killed_inside_a_window_takes_the_group_back_to_a_window_every_shard_took(tmp_path, baseline, mode):
     out = tmp_path / "run"
-    s = train(out, "--trainer-recovery", mode, "--max-restarts", "2", "--inject", "trainer:1@step=22")
+    flags = ("--trainer-recovery", mode, "--max-restarts", "2", "--write-every", "16")
+    s = train(out, *flags, "--inject", "trainer:1@step=22")
     (f,) = s["failures"]
     assert (f["kind"], f["target"], f["step"]) == ("trainer", 1, 22)
     # the dense state of a window's end is the restart point once the next window's close saw every
@@ -78,14 +79,32 @@ def test_a_trainer_killed_inside_a_window_takes_the_group_back_to_a_window_every
     assert s["embedding_digest"] == baseline["embedding_digest"]
 
 
+@pytest.mark.parametrize("mode", ["replace", "restart"])
+def test_a_death_before_the_first_restart_point_starts_the_run_again_recorded_once_bit_for_bit(
+    tmp_path, baseline, mode
+):
+    # windows of 32 (the default): step 1's dense state becomes the restart point at step 32's close,
+    # so a death at step 22 takes the group back to the start; the injection does not fire again in
+    # the run started anew, and the death stays on record (the launch cleared the journal, not the trainers)
+    out = tmp_path / "run"
+    s = train(out, "--trainer-recovery", mode, "--max-restarts", "1", "--inject", "trainer:1@step=22")
+    assert s["write_every"] == AUTO_WINDOW == 32 and s["injections_not_fired"] == []
+    (f,) = s["failures"]
+    assert (f["kind"], f["target"], f["step"], f["strategy"]) == ("trainer", 1, 22, mode)
+    assert f["lost_updates"] == 0 and f["replayed_steps"] == 22
+    assert s["embedding_digest"] == baseline["embedding_digest"]
+    code, line = verify(out)
+    assert code == 0, line
+
+
 def test_three_trainers_on_two_shards_survive_a_death_and_the_quorums_after_it_bit_for_bit(tmp_path):
     # trainer 2 writes no shard; the survivors may form a quorum without the slowest to notice, then
     # another with it: every new quorum goes back to the dense state (windows open elsewhere were let go)
     # the rows scattered to their owners (the quorum's all-to-all; 2 owners after the death, then 3)
     three = ["--trainers", "3", "--shards", "2", "--batch-size", "255", "--row-exchange", "scatter"]
     ref = train(tmp_path / "ref", *three)
-    s = train(tmp_path / "run", *three, "--max-restarts", "2", "--inject", "trainer:2@step=22")
-    assert ref["write_every"] == s["write_every"] == AUTO_WINDOW
+    s = train(tmp_path / "run", *three, "--max-restarts", "2", "--write-every", "16", "--inject", "trainer:2@step=22")
+    assert ref["write_every"] == AUTO_WINDOW and s["write_every"] == 16
     assert [f["kind"] for f in s["failures"]] == ["trainer"] and s["failures"][0]["lost_updates"] == 0
     assert s["embedding_digest"] == ref["embedding_digest"]
     code, line = verify(tmp_path / "run")

@@ -96,6 +96,16 @@ def run_file(out: Folder) -> Path:
     return Path(out) / RUN_FILE
 
 
+def run_id(out: Folder) -> str | None:
+    """The run's id in ``{out}/run.json`` (written by its launch); None where there is none."""
+    import json
+
+    try:
+        return json.loads(run_file(out).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def lock_file(out: Folder) -> Path:
     """``{out}/run.lock``."""
     return Path(out) / LOCK_FILE
