@@ -21,17 +21,6 @@ from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines, write_atomic
 
 
-def clear_journal(run_dir, keep_failures: bool = False) -> None:
-    """An earlier run's journal files in ``run_dir`` go (``keep_failures``: all but its failures and deaths)."""
-    kept = (layout.trainer_failures_file, layout.failures_file) if keep_failures else ()
-    for path in (layout.trainer_failures_file, layout.failures_file, layout.in_recovery_file):
-        if path not in kept:
-            path(run_dir).unlink(missing_ok=True)
-    for pattern in ("kept_updates_shard*", "outage_shard*.json"):  # --train-through's notes
-        for note in Path(run_dir).glob(pattern):
-            note.unlink(missing_ok=True)
-
-
 class Journal:
     def __init__(self, run_dir: Path | None, rank: int) -> None:
         self.run_dir, self.rank = run_dir, rank
@@ -106,15 +95,26 @@ class Journal:
         self.failures = read_lines(layout.failures_file(self.run_dir))
         return True
 
-    def clear(self, keep_failures: bool = False) -> None:
-        """A fresh start (rank 0): an earlier run's journal files go. ``keep_failures``: a group of
-        this launch restarted from scratch (dead before its first restart point): the failures and
-        deaths so far are this run's (``clear_journal`` cleared the files when the launch began);
-        they are read, and the deaths recorded by ``record_trainer_failures``."""
-        if self.run_dir is not None:
-            clear_journal(self.run_dir, keep_failures)
-            if keep_failures:
-                self.load()
+    def clear(self) -> bool:
+        """A fresh start (rank 0): an earlier run's journal files go. The same run started again
+        (its id, ``run.json``'s, began these files: a group dead before its first restart point)
+        keeps its trainers' deaths, for ``record_trainer_failures``; what else the attempt recorded
+        went with the steps it took back (every step is redone). -> whether it is the same run."""
+        if self.run_dir is None:
+            return False
+        run_id, marker = layout.run_id(self.run_dir), layout.journal_run_file(self.run_dir)
+        again = run_id is not None and any(r.get("run_id") == run_id for r in read_lines(marker))
+        kept = (layout.trainer_failures_file,) if again else ()
+        for path in (layout.trainer_failures_file, layout.failures_file, layout.in_recovery_file):
+            if path not in kept:
+                path(self.run_dir).unlink(missing_ok=True)
+        for pattern in ("kept_updates_shard*", "outage_shard*.json"):  # --train-through's notes
+            for note in Path(self.run_dir).glob(pattern):
+                note.unlink(missing_ok=True)
+        self.failures = []
+        if run_id is not None and not again:
+            write_atomic(marker, json.dumps({"run_id": run_id}) + "\n")
+        return again
 
     def record_trainer_failures(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:
         """Rank 0: one record per trainer death not yet recorded (injected, or seen by the launcher)."""

@@ -323,8 +323,8 @@ class RecoveryManager:
         """Full recovery rolled the run back to checkpoint ``to_step``: its logs follow."""
         self.writer.on_rollback(to_step)
 
-    def fresh_start(self, launched: bool = False) -> None:
-        self.restarts.fresh_start(launched)
+    def fresh_start(self, t_restart: float | None = None) -> None:
+        self.restarts.fresh_start(t_restart)
 
     def resume(self, step: int, t_restart: float, restored_bytes: int, rebuild: bool = False) -> Outcome:
         """After a trainer restart, with the dense state at ``step``: every shard back to ``step``

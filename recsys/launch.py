@@ -39,7 +39,6 @@ from embeddings.net.endpoints import check_endpoints, commands_needed
 from embeddings.servers.launcher import ShardSpec, free_port
 from recovery.durable import layout
 from recovery.durable.files import append_line, read_lines
-from recovery.journal import clear_journal
 from recsys.clock import pin_trainer
 from recsys.config import ConfigError, RunConfig
 from recsys.datasets import prepare, sources
@@ -310,7 +309,6 @@ def _run_one_trainer(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -
         claim_namespace(cfg, urls, ns, run_id, take_over=take_over, fresh=not resume)
         if not resume:
             layout.dense_latest(cfg.checkpoint_dir).unlink(missing_ok=True)  # an earlier run's
-            clear_journal(out)  # and its failures: what the trainers find there from now on is this run's
             write_run_file(out, ns, run_id)
         marks.clear()
     elif not marks.started():
@@ -346,7 +344,6 @@ def _run_locked(cfg: RunConfig, out: Path, resume: bool, take_over: bool) -> dic
             claim_namespace(cfg, urls, namespace, run_id, take_over=take_over, fresh=not resume)
         if not resume:
             dense.unlink(missing_ok=True)  # an earlier run's
-            clear_journal(out)  # and its failures: what the trainers find there from now on is this run's
             write_run_file(out, namespace, run_id)
         if replicas:  # local replicas: the trainers learn their URLs from the config
             cfg = dataclasses.replace(cfg, embeddings=dataclasses.replace(cfg.embeddings, replicas=",".join(replicas)))

@@ -648,7 +648,7 @@ class Trainer:
         if resumed is None:
             if self.cfg.train.init_from:
                 self.init_rows()
-            self.recovery.fresh_start(launched=bool(os.environ.get("RECSYS_SUPERVISED")))
+            self.recovery.fresh_start(t_restart)
             self.backend.fresh_start()
             if self.schedule.enabled:
                 out = self.checkpoint(0)

@@ -810,3 +810,29 @@ def test_a_snapshot_of_another_shard_is_refused_in_one_line_and_no_checkpoint_ke
         c.check_shard(1, namespace)
     c.check_shard(0, "another")  # no identity key of that namespace: an older checkpoint's file passes
     assert "holds no identity key of namespace 'another'" in snapshot_mismatch(c.shard_file(0), "another", 0)
+
+
+def test_a_fresh_start_of_the_same_run_keeps_its_deaths_and_a_new_run_clears_them(tmp_path):
+    from recovery.durable import layout
+    from recovery.journal import Journal
+
+    def run(run_id):
+        layout.run_file(tmp_path).write_text(json.dumps({"namespace": "n", "run_id": run_id}))
+
+    death = {"kind": "trainer", "rank": 1, "step": 22, "time": time.time() - 1.0}
+    j = Journal(tmp_path, 0)
+    assert not j.clear()  # no run.json: an earlier run's files go, nothing names the run
+    run("A")
+    assert not j.clear()  # the run's first fresh start names it
+    layout.trainer_failures_file(tmp_path).write_text(json.dumps(death) + "\n")
+    layout.failures_file(tmp_path).write_text(json.dumps({"kind": "shard", "target": 0, "step": 5}) + "\n")
+    assert j.clear()  # the same run started again: its deaths stay, the attempt's other records go
+    assert layout.trainer_failures_file(tmp_path).exists() and not layout.failures_file(tmp_path).exists()
+    j.record_trainer_failures(0, time.time(), 0, 0)
+    (f,) = j.failures
+    assert (f["kind"], f["target"], f["step"], f["replayed_steps"], f["rejoin_step"]) == ("trainer", 1, 22, 22, 1)
+    j.record_trainer_failures(0, time.time(), 0, 0)  # once only
+    assert len(j.failures) == 1
+    run("B")  # a new run in the folder: nothing of A's stays
+    assert not j.clear() and not layout.trainer_failures_file(tmp_path).exists()
+    assert json.loads(layout.journal_run_file(tmp_path).read_text())["run_id"] == "B"

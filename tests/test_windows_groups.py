@@ -85,7 +85,7 @@ def test_a_death_before_the_first_restart_point_starts_the_run_again_recorded_on
 ):
     # windows of 32 (the default): step 1's dense state becomes the restart point at step 32's close,
     # so a death at step 22 takes the group back to the start; the injection does not fire again in
-    # the run started anew, and the death stays on record (the launch cleared the journal, not the trainers)
+    # the run started anew, and the death stays on record (journal_run.json names the run: the same run again)
     out = tmp_path / "run"
     s = train(out, "--trainer-recovery", mode, "--max-restarts", "1", "--inject", "trainer:1@step=22")
     assert s["write_every"] == AUTO_WINDOW == 32 and s["injections_not_fired"] == []

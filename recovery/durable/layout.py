@@ -16,6 +16,7 @@ The output folder ``{out}`` (``--out``)::
     failures.jsonl               FAILURES          a record per failure, as each recovery ends
     trainer_failures.jsonl       TRAINER_FAILURES  a line per trainer death
     recovery_in_progress.json    IN_RECOVERY       shards whose restore a dead trainer may have left half-done
+    journal_run.json             JOURNAL_RUN       the run these journal files are of (its id)
     injections.jsonl             INJECTIONS        the injections fired, and the run's time origin
     errors/{who}.log, .json      error_traceback(), error_record()
     checkpoints/                 the checkpoint folder unless --checkpoint-dir
@@ -73,6 +74,8 @@ TRAINER_FAILURES = "trainer_failures.jsonl"
 """A line per trainer death (injector, launcher)."""
 IN_RECOVERY = "recovery_in_progress.json"
 """Shards whose restore a dead trainer may have left half-done."""
+JOURNAL_RUN = "journal_run.json"
+"""The run (its id, ``run.json``'s) whose fresh start began the journal files beside it."""
 INJECTIONS = "injections.jsonl"
 """Injections fired (each fires once per run), and the run's time origin."""
 ERRORS = "errors"
@@ -154,6 +157,11 @@ def failures_file(out: Folder) -> Path:
 def trainer_failures_file(out: Folder) -> Path:
     """``{out}/trainer_failures.jsonl``."""
     return Path(out) / TRAINER_FAILURES
+
+
+def journal_run_file(out: Folder) -> Path:
+    """``{out}/journal_run.json``."""
+    return Path(out) / JOURNAL_RUN
 
 
 def in_recovery_file(out: Folder) -> Path:

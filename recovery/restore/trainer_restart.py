@@ -52,26 +52,26 @@ class Restarts:
         if self.flusher is not None:
             incremental.drop_after(self.flusher.dir, self.store.num_shards, step)
 
-    def fresh_start(self, launched: bool = False) -> None:
+    def fresh_start(self, t_restart: float | None = None) -> None:
         """A new run (rank 0): log segments, saves and markers in the folders are an earlier run's.
         And every shard back to step 0: a trainer restarted before the first dense state became
         the restart point starts afresh, while the first write (step 1's rows, or the first
         window's) may be on the shards, or cut short there; its undo record takes it back, as a
         restart with the dense state at step 0 would (a shard that never applied one, or one further
-        on, is left). ``launched``: trainers of a launcher, which cleared the journal when the run
-        began: a death that restarted the group from scratch is this run's, recorded with step 0 as
-        its restart point (the steps before it are redone)."""
+        on, is left). The same run started again (``Journal.clear``) records its trainers' deaths
+        with step 0 as the restart point (every step before them redone; ``t_restart``: when the
+        group learned of the death, else now)."""
         if self.rank == 0:
-            t_restart = time.time()
+            t_restart = time.time() if t_restart is None else t_restart
             self.drop_saves_after(0)
             if self.log_dir is not None:
                 for seg in layout.log_segments(self.log_dir):
                     seg.unlink()
-            self.journal.clear(keep_failures=launched)
+            again = self.journal.clear()
             for s in range(self.store.num_shards):
                 # a shard that does not answer is failed here and met by the protocol at its first use
                 self.detector.guard(lambda s=s: self._undo_first_write(s))
-            if launched:
+            if again:
                 self.journal.record_trainer_failures(0, t_restart, 0, 0)
         self.collective.barrier()
         for log in self.writer.logs.values():
