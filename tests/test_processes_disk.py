@@ -143,10 +143,12 @@ def test_stale_shard_folders_are_removed_at_start_and_live_ones_kept():
     elsewhere = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))  # a run in another pid namespace (container)
     orphan = None
     try:
-        (dead / OWNER_FILE).write_text(f"{gone.pid} 1\n")
         (dead / "shard0").mkdir()
         spec = ShardSpec(index=0, port=free_port(), workdir=str(dead / "shard0"), binary=find_redis_server())
         orphan = spawn_shard(spec, die_with_parent=False)  # a server the dead run left behind
+        # its owner gone only now: a test beside this one (the suite runs two at once) that starts
+        # shards removes a dead run's folder too, and must not while its server starts
+        (dead / OWNER_FILE).write_text(f"{gone.pid} 1\n")
         record_owner(live)
         (elsewhere / OWNER_FILE).write_text(f"{gone.pid} 1 pid:[1]\n")
         with LocalShards(1) as sh:
