@@ -205,12 +205,10 @@ class Injector:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def start(self, fresh: bool, barrier=lambda: None) -> None:
-        """Fresh run: rank 0 sets the time origin (and the run's id: a group restarted from scratch is
-        the same run, what fired stays fired); then every trainer loads it and arms its timers."""
-        run_id = layout.run_id(self.run_dir)  # None: a run without one (a fresh origin each time)
-        same = run_id is not None and any(r.get("run_id") == run_id for r in read_lines(self.path))
-        if fresh and self.rank == 0 and not same:
-            write_atomic(self.path, json.dumps({"t0": time.time(), "run_id": run_id}) + "\n")
+        """Fresh run: rank 0 sets the time origin (not where the same run starts again from scratch,
+        ``layout.began_before``: what fired stays fired); then every trainer loads it and arms its timers."""
+        if fresh and self.rank == 0 and not layout.began_before(self.run_dir):
+            write_atomic(self.path, json.dumps({"t0": time.time()}) + "\n")
         barrier()
         self._load()
         for inj in self.injections:

@@ -102,8 +102,7 @@ class Journal:
         went with the steps it took back (every step is redone). -> whether it is the same run."""
         if self.run_dir is None:
             return False
-        run_id, marker = layout.run_id(self.run_dir), layout.journal_run_file(self.run_dir)
-        again = run_id is not None and any(r.get("run_id") == run_id for r in read_lines(marker))
+        run_id, again = layout.run_id(self.run_dir), layout.began_before(self.run_dir)
         kept = (layout.trainer_failures_file,) if again else ()
         for path in (layout.trainer_failures_file, layout.failures_file, layout.in_recovery_file):
             if path not in kept:
@@ -113,7 +112,7 @@ class Journal:
                 note.unlink(missing_ok=True)
         self.failures = []
         if run_id is not None and not again:
-            write_atomic(marker, json.dumps({"run_id": run_id}) + "\n")
+            write_atomic(layout.journal_run_file(self.run_dir), json.dumps({"run_id": run_id}))
         return again
 
     def record_trainer_failures(self, step: int, t_restart: float, restored_bytes: int, rolled: int) -> None:

@@ -243,7 +243,7 @@ class StoreEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._limits = torch.tensor([n for _, _, n in self._features], dtype=torch.int64)
         self._bases = torch.tensor([t << rowkeys.ROW_BITS for _, t, _ in self._features], dtype=torch.int64)
         # each feature on a table of its own, tables ascending: a batch's keys sort feature by feature
-        # (``_sorted_keys``); the bits an id takes, beside those of its position in the batch
+        # (``sorted_keys``); the bits an id takes, beside those of its position in the batch
         tables_in_order = [t for _, t, _ in self._features]
         self._by_feature = tables_in_order == sorted(set(tables_in_order))
         self._id_bits = max([int(n) for _, _, n in self._features] + [1]).bit_length()

@@ -164,6 +164,19 @@ def journal_run_file(out: Folder) -> Path:
     return Path(out) / JOURNAL_RUN
 
 
+def began_before(out: Folder) -> bool:
+    """Whether this run (``run.json``'s id) made a fresh start in ``out`` already: a group of it dead
+    before its first restart point starts again from scratch as the same run (``journal_run.json``
+    names the run whose first fresh start wrote it; ``recovery.journal.Journal.clear``)."""
+    import json
+
+    rid = run_id(out)
+    try:
+        return rid is not None and json.loads(journal_run_file(out).read_text()).get("run_id") == rid
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def in_recovery_file(out: Folder) -> Path:
     """``{out}/recovery_in_progress.json``."""
     return Path(out) / IN_RECOVERY
